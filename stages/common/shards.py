@@ -1,0 +1,102 @@
+"""The token-shard contract: how the tokenize stage writes a split and how every later stage reads it.
+
+Folder `data/tokenize/` holds:
+    tokenizer/             a Hugging Face tokenizer (`AutoTokenizer.from_pretrained` loads it)
+    <split>_<NNNN>.bin     token ids of the split, flat, little-endian, no header; NNNN counts from 0000.
+                           Concatenating a split's shards in order gives its whole token stream; a
+                           shard holds at most `shard_tokens` ids, so documents may cross shard borders.
+    meta.json              the fields below
+
+Token stream of a split: for each document (see prepare_data), the ids of its text followed by one
+`eos_token_id`. Text is encoded line by line, each line keeping its trailing newline, so the stream
+does not depend on how lines are spread over processes. No bos is inserted (the eos before a
+document starts it), and `pad_token_id` never appears in shards (it is for batching).
+
+dtype: "uint16" while the vocabulary has at most 65,536 ids, else "uint32".
+
+meta.json:
+    format, dtype, vocab_size, bos_token_id, eos_token_id, pad_token_id, shard_tokens
+    splits.<split>.tokens     ids in the split, eos included
+    splits.<split>.bytes      UTF-8 bytes of the split's text (the bits-per-byte denominator)
+    splits.<split>.words      whitespace-separated words, `len(text.split())` (word perplexity)
+    splits.<split>.documents  documents, i.e. eos ids
+    splits.<split>.shards     shard file names in order
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = "flat little-endian token ids, no header"
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN)  # ids 0 and 1
+
+
+def dtype_for(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}_{index:04d}.bin"
+
+
+def read_meta(folder: str | Path) -> dict:
+    path = Path(folder) / "meta.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run the tokenize stage first (snakemake tokenize / dvc repro tokenize)")
+    return json.loads(path.read_text())
+
+
+def open_split(folder: str | Path, split: str) -> list[np.memmap]:
+    """The split's shards as read-only memory maps, in order."""
+    folder = Path(folder)
+    meta = read_meta(folder)
+    if split not in meta["splits"]:
+        raise KeyError(f"{folder}: no split {split!r}; have {', '.join(meta['splits'])}")
+    dtype = np.dtype(meta["dtype"])
+    return [np.memmap(folder / name, dtype=dtype, mode="r") for name in meta["splits"][split]["shards"]]
+
+
+def load_split(folder: str | Path, split: str) -> np.ndarray:
+    """The whole token stream of a split in memory (int64)."""
+    parts = open_split(folder, split)
+    return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]) if parts else np.zeros(0, np.int64)
+
+
+class ShardWriter:
+    """Append token ids; files roll over every `shard_tokens` ids."""
+
+    def __init__(self, folder: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
+        self.names: list[str] = []
+        self.total = 0
+        self._fh = None
+        self._room = 0
+
+    def write(self, ids: np.ndarray) -> None:
+        ids = np.asarray(ids).astype(self.dtype, copy=False)
+        while len(ids):
+            if self._room == 0:
+                self._roll()
+            take = ids[: self._room]
+            take.tofile(self._fh)
+            self._room -= len(take)
+            self.total += len(take)
+            ids = ids[len(take):]
+
+    def _roll(self) -> None:
+        if self._fh:
+            self._fh.close()
+        name = shard_name(self.split, len(self.names))
+        self.names.append(name)
+        self._fh = open(self.folder / name, "wb")
+        self._room = self.shard_tokens
+
+    def close(self) -> list[str]:
+        if self._fh:
+            self._fh.close()
+        return self.names

@@ -1,0 +1,201 @@
+"""MLflow tracking: one run per stage execution, logged from rank 0 only.
+
+Default store: `sqlite:///<repo>/mlflow.db` with artifacts in `<repo>/mlartifacts`; the
+`MLFLOW_TRACKING_URI` environment variable points elsewhere (a tracking server on a cluster).
+
+Runs of one pipeline invocation are nested under one parent run, tagged `pipeline_run=<id>`. The id is
+`PIPELINE_RUN_ID` when set (the Snakefile sets it once per `snakemake` invocation and its jobs inherit
+it), else derived from the `dvc repro`/`dvc exp run` process the stage runs under (its pid and start
+time), else the stage run stands alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+from stages.common import dist
+
+EXPERIMENT = os.environ.get("MLFLOW_EXPERIMENT_NAME", "pipeline")
+
+
+def tracking_uri(root: Path | None = None) -> str:
+    root = Path(root or Path.cwd()).resolve()
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
+
+
+def git_commit(root: Path | None = None) -> str:
+    """HEAD's commit, with '-dirty' when tracked files differ from it; 'unknown' outside git."""
+    cwd = str(root or Path.cwd())
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def pip_freeze() -> str:
+    """The installed distributions, in `pip freeze` format (without spawning pip)."""
+    seen = {}
+    for d in importlib.metadata.distributions():
+        name = d.metadata["Name"]
+        if name and name.lower() not in seen:
+            seen[name.lower()] = f"{name}=={d.version}"
+    return "\n".join(sorted(seen.values(), key=str.lower)) + "\n"
+
+
+def _proc_stat(pid: int) -> list[str]:
+    """Fields 3.. of /proc/<pid>/stat ([1] is the parent pid, [19] the start time in clock ticks since
+    boot); the command-name field before them may hold spaces, so split after its closing parenthesis."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def pipeline_run_id() -> str | None:
+    """The id shared by every stage of one pipeline invocation (see the module docstring)."""
+    if os.environ.get("PIPELINE_RUN_ID"):
+        return os.environ["PIPELINE_RUN_ID"]
+    pid = os.getppid()
+    try:
+        while pid > 1:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            words = [Path(a.decode(errors="replace")).name for a in argv[:4]]
+            if "dvc" in words and ("repro" in words or "exp" in words):
+                return "dvc-" + hashlib.sha256(f"{pid}:{_proc_stat(pid)[19]}".encode()).hexdigest()[:12]
+            pid = int(_proc_stat(pid)[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class Tracker:
+    """Logs to an MLflow run on rank 0; does nothing on other ranks or when no run is open."""
+
+    def __init__(self, run_id: str | None = None):
+        self.run_id = run_id
+
+    def __bool__(self) -> bool:
+        return self.run_id is not None
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        if self.run_id:
+            import mlflow
+
+            mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if self.run_id:
+            import mlflow
+
+            if Path(path).is_dir():
+                mlflow.log_artifacts(str(path), artifact_path=artifact_path)
+            else:
+                mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+    def set_tags(self, tags: dict) -> None:
+        if self.run_id:
+            import mlflow
+
+            mlflow.set_tags(tags)
+
+    def log_text(self, text: str, name: str) -> None:
+        if self.run_id:
+            import mlflow
+
+            mlflow.log_text(text, name)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = json.dumps(v) if isinstance(v, (list, tuple)) else v
+    return out
+
+
+def _parent_run(client, experiment_id: str, group: str, lock_path: Path) -> str:
+    """Find or create the parent run of invocation `group`; a file lock keeps parallel stages from
+    creating two."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.pipeline_run = '{group}' and tags.pipeline_role = 'parent'",
+            max_results=1,
+        )
+        if found:
+            return found[0].info.run_id
+        run = client.create_run(
+            experiment_id,
+            run_name=f"pipeline {group}",
+            tags={"pipeline_run": group, "pipeline_role": "parent", "git_commit": git_commit()},
+        )
+        client.set_terminated(run.info.run_id)
+        return run.info.run_id
+
+
+@contextlib.contextmanager
+def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags: dict | None = None):
+    """Open the stage's MLflow run on rank 0 (yield a Tracker; a silent one on other ranks).
+
+    Tags: stage, git commit, input content hash, pipeline invocation, world size, device; params
+    are the stage's params section; the environment (`pip freeze`) is an artifact.
+    """
+    if not rt.is_main:
+        yield Tracker(None)
+        return
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    root = Path.cwd().resolve()
+    uri = tracking_uri(root)
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    if exp is None:
+        location = (root / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
+        try:
+            experiment_id = client.create_experiment(EXPERIMENT, artifact_location=location)
+        except mlflow.exceptions.MlflowException:  # created meanwhile by a parallel stage
+            experiment_id = client.get_experiment_by_name(EXPERIMENT).experiment_id
+    else:
+        experiment_id = exp.experiment_id
+    group = pipeline_run_id()
+    parent = None
+    if group:
+        lock = root / "mlflow.db.lock" if uri.startswith("sqlite:") else Path(tempfile.gettempdir()) / "mlflow-pipeline.lock"
+        parent = _parent_run(client, experiment_id, group, lock)
+    all_tags = {
+        "stage": stage,
+        "git_commit": git_commit(root),
+        "inputs_hash": inputs_hash,
+        "world_size": str(rt.world_size),
+        "device": str(rt.device),
+        "host": platform.node(),
+        **({"pipeline_run": group} if group else {}),
+        **(tags or {}),
+    }
+    with mlflow.start_run(experiment_id=experiment_id, run_name=stage, parent_run_id=parent, tags=all_tags) as run:
+        mlflow.log_params(_flatten(params))
+        mlflow.log_text(pip_freeze(), "environment/requirements.txt")
+        status = "FAILED"
+        try:
+            yield Tracker(run.info.run_id)
+            status = "FINISHED"
+        finally:
+            mlflow.end_run(status=status)
+            if parent:
+                client.set_terminated(parent)
