@@ -20,6 +20,7 @@ Output (data/prepare_data/):
     instructions.jsonl                records with string fields instruction, input, output
     planetoid/<Name>/raw/ind.*        the raw files PyG's Planetoid(root, name) reads
     meta.json                         sources, per-split counts and the sha256 of every file written
+    metrics.json                      bytes, lines and documents per split; instruction records
 """
 
 from __future__ import annotations
@@ -319,7 +320,16 @@ def prepare(cfg: Config, output: Path) -> dict:
         meta["graphs"] = {"names": list(cfg.graphs), "raw_sha256": write_graphs(cfg, tmp)}
         meta["files"] = {str(p.relative_to(tmp)): ckpt.sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         ckpt.write_json(tmp / "meta.json", meta)
+        ckpt.write_json(tmp / "metrics.json", metrics_of(meta))
     return meta
+
+
+def metrics_of(meta: dict) -> dict:
+    """The stage's DVC/MLflow metrics: size of every split and of the instruction data."""
+    out = {f"{s}_{k}": v for s, d in meta["corpus"]["splits"].items() for k, v in d.items()}
+    if "instructions" in meta:
+        out["instruction_records"] = meta["instructions"]["records"]
+    return out
 
 
 def main(argv=None) -> dict:
@@ -349,10 +359,7 @@ def run_tracked(cfg: Config, output: Path, rt: dist.Runtime) -> dict:
     with track.start_run(STAGE, config.as_dict(cfg), "", rt) as tracker:
         meta = prepare(cfg, output)
         tracker.set_tags({"inputs_hash": ckpt.checkpoint_key({}, json.dumps(meta["corpus"]["sha256"], sort_keys=True))})
-        splits = meta["corpus"]["splits"]
-        tracker.log_metrics({f"{s}_{k}": v for s, d in splits.items() for k, v in d.items()})
-        if "instructions" in meta:
-            tracker.log_metrics({"instruction_records": meta["instructions"]["records"]})
+        tracker.log_metrics(metrics_of(meta))
         tracker.log_artifact(output / "meta.json")
     return meta
 

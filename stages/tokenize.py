@@ -2,7 +2,8 @@
 
 Reads data/prepare_data/corpus/ and writes data/tokenize/: the tokenizer in Hugging Face format
 (`AutoTokenizer.from_pretrained("data/tokenize/tokenizer")`), token shards per split and meta.json.
-The shard format, special tokens and per-split counts are defined once, in stages/common/shards.py.
+The shard format, special tokens and per-split counts are defined once, in stages/common/shards.py;
+metrics.json holds the counts, bytes per token and encoding throughput (tokens/s).
 
 The tokenizer is trained on rank 0 (the `tokenizers` trainer is itself multi-threaded). Encoding is
 streamed: each rank reads its own contiguous byte range of a split line by line, encodes batches of
@@ -209,12 +210,14 @@ def tokenize(cfg: Config, inp: Path, output: Path, rt: dist.Runtime, tracker: tr
             (tmp / ".tokenizer.json").unlink()
             ckpt.write_json(tmp / "meta.json", meta)
             n_tokens = sum(s["tokens"] for s in meta["splits"].values())
-            tracker.log_metrics({
+            metrics = {
                 "vocab_size": vocab, "tokenizer_train_s": train_s, "encode_s": encode_s,
                 "tokens_per_s": n_tokens / max(encode_s, 1e-9),
                 **{f"{s}_{k}": v for s, d in meta["splits"].items() for k, v in d.items() if k != "shards"},
                 **{f"{s}_bytes_per_token": d["bytes"] / max(d["tokens"], 1) for s, d in meta["splits"].items()},
-            })
+            }
+            ckpt.write_json(tmp / "metrics.json", metrics)
+            tracker.log_metrics(metrics)
     if rt.is_main:
         tracker.log_artifact(output / "tokenizer", "tokenizer")
         tracker.log_artifact(output / "meta.json")

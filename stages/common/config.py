@@ -190,20 +190,29 @@ def as_dict(cfg) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
 
 
-def parse_cli(doc: str, paths: dict[str, str], argv=None):
-    """The command line every stage shares: path options (name -> default), `--params FILE`, and
-    trailing `key=value` overrides of the stage's params section. Returns (args, overrides)."""
+def parse_cli(doc: str, paths: dict, argv=None):
+    """The command line every stage shares: path options (name -> default; a list default takes one
+    or more paths), `--params FILE`, and trailing `key=value` overrides of the stage's params section.
+    Returns (args, overrides)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0],
                                      epilog="Trailing key=value pairs override the stage's params section.")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     for name, default in paths.items():
+        many = isinstance(default, list)
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=default,
-                            help=f"default: {default}")
+                            nargs="+" if many else None, help=f"default: {default}")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
-    return args, args.overrides
+    overrides = list(args.overrides)
+    for name, default in paths.items():
+        if isinstance(default, list):
+            # `--inputs a b key=value`: argparse hands the override to --inputs; give it back.
+            values = getattr(args, name)
+            setattr(args, name, [v for v in values if "=" not in v])
+            overrides += [v for v in values if "=" in v]
+    return args, overrides
 
 
 def run(main) -> None:

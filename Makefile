@@ -1,0 +1,50 @@
+# Quick start: `make run` (the whole pipeline on the tiny default) and `make test`.
+# Both create .venv from requirements.lock on first use (Python 3.11).
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+STAMP := $(VENV)/.installed
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# Offline runs read raw data from a mirror laid out like shared/data (see README); use the sibling
+# ../shared/data when there is one and the variable is unset.
+export PIPELINE_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data))
+# The CPU build of torch where there is no NVIDIA GPU (the default wheel bundles CUDA, several GB).
+TORCH_INDEX := $(if $(shell command -v nvidia-smi),,--extra-index-url https://download.pytorch.org/whl/cpu)
+MLFLOW_PORT ?= 5000
+
+.PHONY: run test venv dag bench mlflow-ui lock clean
+
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip==24.3.1
+	$(VENV)/bin/pip install --quiet --retries 1 torch==2.13.0 $(TORCH_INDEX)
+	$(VENV)/bin/pip install --quiet -r requirements.lock
+	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	snakemake --cores all
+
+test: $(STAMP)
+	python -m pytest -q tests
+
+dag: $(STAMP)
+	python -m pipelines.dag write
+
+bench: $(STAMP)
+	python bench/tokenize_throughput.py
+
+# The MLflow UI on 127.0.0.1 only, over the embedded store that stages write (mlflow.db, mlartifacts/).
+mlflow-ui: $(STAMP)
+	mlflow server --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1
+
+# Re-resolve requirements.in and pin the result (torch stays at the version the Makefile installs).
+lock: $(STAMP)
+	$(VENV)/bin/pip install --quiet -r requirements.in
+	{ sed -n '1,2p' requirements.lock; $(VENV)/bin/pip freeze --exclude-editable | sed 's/^torch==\([0-9.]*\)+.*/torch==\1/'; } > requirements.lock.new
+	mv requirements.lock.new requirements.lock
+
+clean:
+	rm -rf data/*/ reports/* logs .snakemake checkpoints mlflow.db mlflow.db.lock mlartifacts

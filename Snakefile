@@ -1,0 +1,74 @@
+# The pipeline for Snakemake: one rule per stage of pipelines/stages.yaml (the table dvc.yaml is also
+# generated from), with the same commands, inputs and outputs as `dvc repro`.
+#
+#   snakemake --cores all                      # the whole pipeline (make run)
+#   snakemake --cores all tokenize             # one stage and what it needs
+#   snakemake --rulegraph | dot -Tpng > dag.png
+#
+# After each stage, `dvc commit` records its outputs in dvc.lock (one commit at a time: DVC locks the
+# repository), so `dvc status` agrees with Snakemake about what is current.
+import json
+import os
+import uuid
+
+import yaml
+
+from pipelines.dag import fill, is_dir, load_table
+
+# One id per invocation groups this run's stages in MLflow (jobs, local or on a cluster, inherit it).
+os.environ.setdefault("PIPELINE_RUN_ID", "smk-" + uuid.uuid4().hex[:12])
+
+STAGES = load_table()
+with open("params.yaml") as fh:
+    PARAMS = yaml.safe_load(fh)
+
+
+def rule_output(paths, item=None):
+    return [directory(p) if is_dir(p) else p for p in (fill(x, item) for x in paths)]
+
+
+def wildcard(text):
+    return text.replace("${item}", "{item}")
+
+
+rule all:
+    input:
+        [o for st in STAGES.values() for _, item in st.instances() for o in (fill(x, item) for x in st.outs)],
+    default_target: True
+
+
+for st in STAGES.values():
+    rule:
+        name:
+            st.name
+        input:
+            [wildcard(d) for d in st.deps],
+        output:
+            [directory(wildcard(o)) if is_dir(o) else wildcard(o) for o in st.outs],
+        params:
+            # Rules made in a loop must capture per-stage values here: `shell` is evaluated at run time.
+            cmd=wildcard(st.cmd()),
+            dvc_stage=st.name + ("@{item}" if st.foreach else ""),
+            # Recorded by Snakemake, so changing a section re-runs the stage (rerun trigger "params").
+            sections=json.dumps({s: PARAMS.get(s) for s in st.params}, sort_keys=True),
+        log:
+            "logs/" + st.name + ("-{item}" if st.foreach else "") + ".log",
+        threads: st.resources["nproc_per_node"]
+        resources:
+            mem_mb=st.resources["mem_mb"],
+            runtime=st.resources["runtime_min"],
+            nodes=st.resources["nodes"],
+            gpus_per_node=st.resources["gpus_per_node"],
+        wildcard_constraints:
+            item="|".join(st.foreach) or "[^/]+",
+        shell:
+            "{params.cmd} > {log} 2>&1"
+            " && flock .snakemake/dvc-commit.lock dvc commit --force --quiet {params.dvc_stage} >> {log} 2>&1"
+
+
+if config.get("dump_rules"):
+    # The rules exactly as Snakemake holds them, for tests/test_dag.py.
+    with open(config["dump_rules"], "w") as fh:
+        json.dump({r.name: {"input": [str(i) for i in r.input], "output": [str(o) for o in r.output],
+                            "params": json.loads(r.params.sections), "cmd": r.params.cmd, "foreach": list(STAGES[r.name].foreach) if r.name in STAGES else None}
+                   for r in workflow.rules if r.name != "all"}, fh, indent=1)

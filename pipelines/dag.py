@@ -1,0 +1,139 @@
+"""The stage table (pipelines/stages.yaml) and what follows from it: dvc.yaml and the Snakemake rules.
+
+    python -m pipelines.dag write     regenerate dvc.yaml from the table
+    python -m pipelines.dag check     exit 1 (with a diff) when dvc.yaml is not what the table gives
+
+The Snakefile calls `load_table()` and `snakemake_rules()` when it loads, so its rules follow the
+table directly; tests/test_dag.py compares what DVC and Snakemake each parse.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+TABLE = ROOT / "pipelines" / "stages.yaml"
+LAUNCH = "python -m pipelines.launch"
+STAGE_KEYS = {"args", "deps", "params", "outs", "metrics", "plots", "resources", "foreach", "collect"}
+RESOURCE_KEYS = {"nodes", "nproc_per_node", "gpus_per_node", "mem_mb", "runtime_min", "container"}
+HEADER = (
+    "# Generated from pipelines/stages.yaml by `python -m pipelines.dag write` (make dag).\n"
+    "# Edit the table, not this file: tests fail when the two disagree.\n"
+)
+
+
+class TableError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    args: str
+    deps: tuple[str, ...]
+    params: tuple[str, ...]
+    outs: tuple[str, ...]
+    metrics: tuple[str, ...] = ()
+    plots: tuple[str, ...] = ()
+    resources: dict = field(default_factory=dict)
+    foreach: tuple[str, ...] = ()
+    collect: bool = False
+
+    def instances(self) -> list[tuple[str, str | None]]:
+        """(DVC stage name, foreach item) for each concrete stage."""
+        if not self.foreach:
+            return [(self.name, None)]
+        return [(f"{self.name}@{item}", item) for item in self.foreach]
+
+    def cmd(self) -> str:
+        return f"{LAUNCH} {self.name}{'@${item}' if self.foreach else ''} {self.args}".strip()
+
+
+def is_dir(path: str) -> bool:
+    """Outputs without a file suffix are folders."""
+    return Path(path).suffix == ""
+
+
+def fill(text: str, item: str | None) -> str:
+    return text if item is None else text.replace("${item}", item)
+
+
+def load_table(path: Path = TABLE) -> dict[str, Stage]:
+    doc = yaml.safe_load(Path(path).read_text())
+    defaults = doc.get("defaults", {})
+    base_resources = defaults.get("resources", {})
+    common = tuple(defaults.get("common_deps", ()))
+    stages = {}
+    for name, entry in doc["stages"].items():
+        unknown = set(entry) - STAGE_KEYS
+        if unknown:
+            raise TableError(f"{path}: stage {name}: unknown key(s) {sorted(unknown)}; valid: {sorted(STAGE_KEYS)}")
+        res = {**base_resources, **entry.get("resources", {})}
+        if set(res) - RESOURCE_KEYS:
+            raise TableError(f"{path}: stage {name}: unknown resource(s) {sorted(set(res) - RESOURCE_KEYS)}")
+        stages[name] = Stage(
+            name=name, args=entry.get("args", ""), deps=tuple(entry.get("deps", ())) + common,
+            params=tuple(entry.get("params", ())), outs=tuple(entry.get("outs", ())),
+            metrics=tuple(entry.get("metrics", ())), plots=tuple(entry.get("plots", ())), resources=res,
+            foreach=tuple(str(i) for i in entry.get("foreach", ())), collect=bool(entry.get("collect", False)),
+        )
+    # A collecting stage (the report) reads every other stage's outputs.
+    for name, st in list(stages.items()):
+        if st.collect:
+            others = [fill(o, item) for s in stages.values() if s.name != name
+                      for _, item in s.instances() for o in s.outs]
+            stages[name] = Stage(**{**st.__dict__, "deps": st.deps + tuple(others),
+                                    "args": f"{st.args} --inputs {' '.join(others)}".strip()})
+    return stages
+
+
+def dvc_document(stages: dict[str, Stage]) -> dict:
+    out: dict = {"stages": {}}
+    metrics, plots = [], []
+    for st in stages.values():
+        body = {"cmd": st.cmd(), "deps": list(st.deps)}
+        if st.params:
+            body["params"] = list(st.params)
+        body["outs"] = list(st.outs)
+        out["stages"][st.name] = {"foreach": list(st.foreach), "do": body} if st.foreach else body
+        for _, item in st.instances():
+            metrics += [fill(m, item) for m in st.metrics]
+            plots += [fill(p, item) for p in st.plots]
+    if metrics:
+        out["metrics"] = metrics
+    if plots:
+        out["plots"] = plots
+    return out
+
+
+def render_dvc(stages: dict[str, Stage]) -> str:
+    return HEADER + yaml.safe_dump(dvc_document(stages), sort_keys=False, width=120)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    target = ROOT / "dvc.yaml"
+    text = render_dvc(load_table())
+    if argv == ["write"]:
+        target.write_text(text)
+        print(f"wrote {target}")
+        return 0
+    if argv == ["check"]:
+        current = target.read_text() if target.exists() else ""
+        if current == text:
+            print("dvc.yaml matches pipelines/stages.yaml")
+            return 0
+        sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), text.splitlines(True), "dvc.yaml", "from stages.yaml"))
+        print("\ndvc.yaml is out of date: run `python -m pipelines.dag write` (make dag)", file=sys.stderr)
+        return 1
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""report: collect every stage's metrics, reproduced results and plots into reports/results.{md,json}.
+
+Each stage's output folder may hold
+    metrics.json   final numbers of the stage (also its DVC metrics)
+    results.json   a list of reproduced results, one object per row with the keys
+                   result, paper, published, ours, tolerance (and optionally data: names of the
+                   raw files the row depends on, as keys of prepare_data's meta.json `files`)
+    plots/*.png    figures, linked from the report
+
+Every row of the report has one schema (ROW_FIELDS): result, paper, published figure, ours,
+tolerance, pass (|ours - published| <= tolerance), stage, git commit, data hashes.
+
+Run:
+    python -m stages.report --output reports --inputs data/prepare_data data/tokenize ...
+    snakemake --cores all report              # or: dvc repro report
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages.common import ckpt, config, dist, track
+
+STAGE = "report"
+ROW_FIELDS = ("result", "paper", "published", "ours", "tolerance", "pass", "stage", "git_commit", "data_hashes")
+ROW_INPUT_FIELDS = ("result", "paper", "published", "ours", "tolerance")
+
+
+@dataclass(frozen=True)
+class Config:
+    strict: bool
+    """Fail the stage (after writing the report) when a reproduced result is outside its tolerance."""
+
+
+def stage_label(folder: Path) -> str:
+    """data/tokenize -> tokenize; data/eval_perplexity/pretrain -> eval_perplexity/pretrain."""
+    parts = folder.parts
+    return "/".join(parts[1:]) if len(parts) > 1 and parts[0] == "data" else folder.name
+
+
+def read_rows(folder: Path, label: str, commit: str, data_files: dict) -> list[dict]:
+    path = folder / "results.json"
+    if not path.is_file():
+        return []
+    rows = json.loads(path.read_text())
+    out = []
+    for i, row in enumerate(rows):
+        missing = [k for k in ROW_INPUT_FIELDS if k not in row]
+        if missing:
+            raise config.UserError(f"{path}: row {i} lacks {', '.join(missing)} (each row needs {', '.join(ROW_INPUT_FIELDS)})")
+        ours, published, tol = row["ours"], row["published"], row["tolerance"]
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ours, published, tol))
+        passed = bool(numeric and math.isfinite(ours) and abs(ours - published) <= tol) if numeric else None
+        hashes = {name: data_files[name] for name in row.get("data", ()) if name in data_files}
+        out.append({**{k: row[k] for k in ROW_INPUT_FIELDS}, "pass": passed, "stage": label,
+                    "git_commit": commit, "data_hashes": hashes})
+    return out
+
+
+def fmt(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return {True: "pass", False: "FAIL", None: "n/a"}[value]
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k.rsplit('/', 1)[-1]}:{v[:12]}" for k, v in value.items()) or "-"
+    return str(value)
+
+
+def render_markdown(doc: dict, output: Path) -> str:
+    lines = ["# Results", "", f"Git commit: `{doc['git_commit']}`", "", "## Reproduced results", "",
+             "| " + " | ".join(ROW_FIELDS) + " |", "|" + "---|" * len(ROW_FIELDS)]
+    for row in doc["rows"]:
+        lines.append("| " + " | ".join(fmt(row[k]) for k in ROW_FIELDS) + " |")
+    if not doc["rows"]:
+        lines.append("| " + " | ".join(["-"] * len(ROW_FIELDS)) + " |")
+        lines += ["", "_No stage of this pipeline reproduces a published result yet._"]
+    lines += ["", "## Stage metrics", ""]
+    for label, metrics in doc["stage_metrics"].items():
+        lines += [f"### {label}", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {fmt(v)} |" for k, v in sorted(flatten(metrics).items())]
+        lines.append("")
+    if doc["plots"]:
+        lines += ["## Plots", ""]
+        for plot in doc["plots"]:
+            rel = Path("..") / plot if not Path(plot).is_absolute() else Path(plot)
+            lines += [f"![{plot}]({rel.as_posix()})", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def build_report(inputs: list[Path]) -> dict:
+    commit = track.git_commit()
+    data_files = {}
+    for folder in inputs:
+        if (folder / "meta.json").is_file() and stage_label(folder) == "prepare_data":
+            data_files = json.loads((folder / "meta.json").read_text()).get("files", {})
+    rows, stage_metrics, plots = [], {}, []
+    for folder in inputs:
+        if not folder.is_dir():
+            raise config.UserError(f"report: {folder} not found; run the stage that writes it first")
+        label = stage_label(folder)
+        if (folder / "metrics.json").is_file():
+            stage_metrics[label] = json.loads((folder / "metrics.json").read_text())
+        rows += read_rows(folder, label, commit, data_files)
+        plots += sorted(str(p) for p in folder.glob("plots/*.png"))
+    return {"git_commit": commit, "row_fields": list(ROW_FIELDS), "rows": rows,
+            "stage_metrics": stage_metrics, "plots": plots}
+
+
+def main(argv=None) -> dict:
+    args, overrides = config.parse_cli(__doc__, {"output": "reports", "inputs": []}, argv)
+    cfg = config.load(Config, STAGE, args.params, overrides)
+    inputs = [Path(p) for p in args.inputs]
+    rt = dist.init()
+    try:
+        doc = None
+        if rt.is_main:
+            metric_files = [p / "metrics.json" for p in inputs if (p / "metrics.json").is_file()]
+            with track.start_run(STAGE, config.as_dict(cfg), ckpt.hash_files(metric_files), rt) as tracker:
+                doc = build_report(inputs)
+                output = Path(args.output)
+                with ckpt.atomic_dir(output) as tmp:
+                    ckpt.write_json(tmp / "results.json", doc)
+                    (tmp / "results.md").write_text(render_markdown(doc, output), encoding="utf-8")
+                passed = [r["pass"] for r in doc["rows"]]
+                tracker.log_metrics({"rows": len(passed), "rows_passed": passed.count(True), "rows_failed": passed.count(False)})
+                tracker.log_artifact(output / "results.md")
+                tracker.log_artifact(output / "results.json")
+            print(f"report: {len(doc['rows'])} reproduced result(s), {len(doc['stage_metrics'])} stage(s) -> {args.output}/results.md")
+            failed = [r["result"] for r in doc["rows"] if r["pass"] is False]
+            if cfg.strict and failed:
+                raise config.UserError(f"report: outside tolerance: {', '.join(failed)} (report.strict is true)")
+        return dist.broadcast_object(doc)
+    finally:
+        dist.teardown()
+
+
+if __name__ == "__main__":
+    config.run(main)
