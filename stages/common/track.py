@@ -32,9 +32,13 @@ def tracking_uri(root: Path | None = None) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
 
 
+CODE_ROOT = Path(__file__).resolve().parents[2]
+
+
 def git_commit(root: Path | None = None) -> str:
-    """HEAD's commit, with '-dirty' when tracked files differ from it; 'unknown' outside git."""
-    cwd = str(root or Path.cwd())
+    """The commit of the code (HEAD of the repository holding this package), with '-dirty' when tracked
+    files differ from it; 'unknown' outside git."""
+    cwd = str(root or CODE_ROOT)
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
@@ -180,7 +184,7 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags
         parent = _parent_run(client, experiment_id, group, lock)
     all_tags = {
         "stage": stage,
-        "git_commit": git_commit(root),
+        "git_commit": git_commit(),
         "inputs_hash": inputs_hash,
         "world_size": str(rt.world_size),
         "device": str(rt.device),

@@ -1,0 +1,70 @@
+"""Shared fixtures: the data mirror, a scratch working directory with the ci preset, torchrun."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_mirror_env = os.environ.get("PIPELINE_DATA_MIRROR")
+MIRROR = Path(_mirror_env) if _mirror_env else ROOT.parent / "shared" / "data"
+
+
+def stage_env(workdir: Path, **extra) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PIPELINE_DATA_MIRROR": str(MIRROR),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}", **extra}
+    env.pop("PIPELINE_RUN_ID", None)
+    return env
+
+
+def run_stage(module: str, args: list[str], cwd: Path, nproc: int = 1, check: bool = True, **env):
+    """Run `python -m stages.<module>` (nproc 1) or torchrun with `nproc` CPU processes, in `cwd`."""
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    proc = subprocess.run([*launcher, "-m", f"stages.{module}", *args], cwd=cwd, env=stage_env(cwd, **env),
+                          capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"stages.{module} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def mirror() -> Path:
+    if not (MIRROR / "tinyshakespeare" / "input.txt").is_file():
+        pytest.skip(f"no data mirror at {MIRROR}: set PIPELINE_DATA_MIRROR to a directory laid out like shared/data")
+    return MIRROR
+
+
+def ci_params(dest: Path) -> Path:
+    """params.yaml with the ci preset applied, at dest/params.yaml."""
+    from pipelines import preset
+
+    shutil.copy(ROOT / "params.yaml", dest / "params.yaml")
+    preset.apply("ci", dest / "params.yaml")
+    return dest / "params.yaml"
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch, mirror) -> Path:
+    """A scratch cwd with ci params, its own MLflow store, and the mirror in the environment."""
+    ci_params(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for key, value in stage_env(tmp_path).items():
+        if key in ("PIPELINE_DATA_MIRROR", "MLFLOW_TRACKING_URI"):
+            monkeypatch.setenv(key, value)
+    monkeypatch.delenv("PIPELINE_RUN_ID", raising=False)
+    return tmp_path
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory, mirror) -> Path:
+    """prepare_data on the ci preset, run once per session (a folder holding data/prepare_data)."""
+    root = tmp_path_factory.mktemp("prepared")
+    ci_params(root)
+    run_stage("prepare_data", ["--output", "data/prepare_data"], cwd=root)
+    return root

@@ -1,0 +1,97 @@
+"""tokenize on real text: identical output for 1 and 2 processes, loads in transformers, counts, MLflow."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from stages.common import config, shards
+
+from conftest import run_stage
+
+ARGS = ["--input", "data/prepare_data", "--output"]
+
+
+@pytest.fixture(scope="module")
+def tokenized(prepared, tmp_path_factory):
+    """The ci corpus tokenized by 1 process and by 2 (torchrun, gloo), each with its own MLflow store."""
+    runs = {}
+    for nproc in (1, 2):
+        root = tmp_path_factory.mktemp(f"tok{nproc}")
+        shutil.copy(prepared / "params.yaml", root / "params.yaml")
+        shutil.copytree(prepared / "data/prepare_data", root / "data/prepare_data")
+        run_stage("tokenize", [*ARGS, "data/tokenize"], cwd=root, nproc=nproc)
+        runs[nproc] = root
+    return runs
+
+
+def test_two_processes_write_the_same_bytes_as_one(tokenized):
+    one, two = (tokenized[n] / "data/tokenize" for n in (1, 2))
+    names = sorted(p.relative_to(one).as_posix() for p in one.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(two).as_posix() for p in two.rglob("*") if p.is_file())
+    differing = [n for n in names if n != "metrics.json" and not filecmp.cmp(one / n, two / n, shallow=False)]
+    assert not differing, f"differ between world sizes: {differing}"
+    assert len(json.loads((one / "meta.json").read_text())["splits"]["train"]["shards"]) > 1
+
+
+def test_output_loads_in_transformers_and_decodes_to_the_text(tokenized):
+    from transformers import AutoTokenizer
+
+    root = tokenized[2]
+    out = root / "data/tokenize"
+    tok = AutoTokenizer.from_pretrained(out / "tokenizer")
+    meta = shards.read_meta(out)
+    assert len(tok) == meta["vocab_size"] == 512 and meta["dtype"] == "uint16"
+    assert tok.eos_token_id == meta["eos_token_id"] and tok.pad_token_id == meta["pad_token_id"] != tok.eos_token_id
+    for split, counts in meta["splits"].items():
+        ids = shards.load_split(out, split)
+        text = (root / f"data/prepare_data/corpus/{split}.txt").read_text()
+        assert counts["tokens"] == len(ids) and (ids == meta["eos_token_id"]).sum() == counts["documents"] == 1
+        assert ids[-1] == meta["eos_token_id"] and meta["pad_token_id"] not in ids
+        assert tok.decode(ids[:-1].tolist()) == text
+        assert counts["bytes"] == len(text.encode()) and counts["words"] == len(text.split())
+        assert all(len(m) <= meta["shard_tokens"] for m in shards.open_split(out, split))
+
+
+def test_mlflow_has_one_run_per_stage_from_rank_zero(tokenized):
+    import mlflow
+
+    root = tokenized[2]
+    client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("pipeline").experiment_id])
+    assert [r.data.tags["stage"] for r in runs] == ["tokenize"], "one run, logged by rank 0 only"
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.data.tags["world_size"] == "2"
+    assert len(run.data.tags["inputs_hash"]) == 64 and run.data.tags["git_commit"]
+    assert run.data.params["vocab_size"] == "512" and run.data.metrics["tokens_per_s"] > 0
+    assert run.data.metrics["train_tokens"] == shards.read_meta(root / "data/tokenize")["splits"]["train"]["tokens"]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"meta.json", "tokenizer", "environment"} <= artifacts
+    tok_files = {a.path for a in client.list_artifacts(run.info.run_id, "tokenizer")}
+    assert "tokenizer/tokenizer.json" in tok_files
+    freeze = client.download_artifacts(run.info.run_id, "environment/requirements.txt", str(root))
+    assert "torch==2.13.0" in open(freeze).read()
+
+
+def test_bad_input_fails_before_writing(prepared, tmp_path):
+    shutil.copy(prepared / "params.yaml", tmp_path / "params.yaml")
+    proc = run_stage("tokenize", ["--input", str(prepared / "data/prepare_data"), "--output", "out", "vocab_size=200"],
+                     cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "tokenize.vocab_size must be at least 258" in proc.stderr
+    proc = run_stage("tokenize", ["--input", "nowhere", "--output", "out"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "nowhere/corpus/train.txt not found; run prepare_data first" in proc.stderr
+    assert not list(tmp_path.glob("*out*")) and not (tmp_path / "mlflow.db").exists()
+
+
+def test_shard_writer_rolls_over_and_dtype_follows_vocab(tmp_path):
+    writer = shards.ShardWriter(tmp_path, "train", shards.dtype_for(70_000), shard_tokens=4)
+    writer.write(np.arange(6))
+    writer.write(np.arange(6, 10))
+    assert writer.close() == ["train_0000.bin", "train_0001.bin", "train_0002.bin"]
+    assert shards.dtype_for(65_536) == np.uint16 and shards.dtype_for(65_537) == np.uint32
+    parts = [np.fromfile(tmp_path / n, dtype=np.uint32).tolist() for n in writer.names]
+    assert parts == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
