@@ -14,11 +14,16 @@ import uuid
 import yaml
 
 from pipelines.dag import fill, is_dir, load_table
+from pipelines.sync import align_mtimes
 
 # One id per invocation groups this run's stages in MLflow (jobs, local or on a cluster, inherit it).
 os.environ.setdefault("PIPELINE_RUN_ID", "smk-" + uuid.uuid4().hex[:12])
+os.environ["PIPELINE_SNAKEMAKE"] = "1"  # tells pipelines.launch that Snakemake keeps its own records
 
 STAGES = load_table()
+if workflow.is_main_process and not config.get("dump_rules"):
+    # Outputs DVC restored or rebuilt count as current when dvc.lock says so (see pipelines/sync.py).
+    align_mtimes()
 with open("params.yaml") as fh:
     PARAMS = yaml.safe_load(fh)
 

@@ -1,7 +1,8 @@
 """The stage table (pipelines/stages.yaml) and what follows from it: dvc.yaml and the Snakemake rules.
 
     python -m pipelines.dag write     regenerate dvc.yaml from the table
-    python -m pipelines.dag check     exit 1 (with a diff) when dvc.yaml is not what the table gives
+    python -m pipelines.dag check     exit 1 when dvc.yaml is not what the table gives, or when the
+                                      stages DVC parses differ from the rules Snakemake parses
 
 The Snakefile calls `load_table()` and `snakemake_rules()` when it loads, so its rules follow the
 table directly; tests/test_dag.py compares what DVC and Snakemake each parse.
@@ -10,6 +11,7 @@ table directly; tests/test_dag.py compares what DVC and Snakemake each parse.
 from __future__ import annotations
 
 import difflib
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +117,71 @@ def render_dvc(stages: dict[str, Stage]) -> str:
     return HEADER + yaml.safe_dump(dvc_document(stages), sort_keys=False, width=120)
 
 
+def dvc_view(root: Path) -> dict[str, dict]:
+    """Every concrete stage as DVC itself parses dvc.yaml: command, deps, params sections, outs."""
+    from dvc.dependency.param import ParamsDependency
+    from dvc.repo import Repo
+
+    view = {}
+    with Repo(str(root)) as repo:
+        for stage in repo.index.stages:
+            params = sorted(k for d in stage.deps if isinstance(d, ParamsDependency) for k in d.params)
+            view[stage.name] = {
+                "cmd": stage.cmd,
+                "deps": sorted(d.def_path for d in stage.deps if not isinstance(d, ParamsDependency)),
+                "params": params,
+                "outs": sorted(o.def_path for o in stage.outs),
+            }
+    return view
+
+
+def snakemake_view(root: Path) -> dict[str, dict]:
+    """Every concrete stage as Snakemake holds the rules of the Snakefile (wildcards filled per item)."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = Path(tmp) / "rules.json"
+        proc = subprocess.run([sys.executable, "-m", "snakemake", "--list-rules", "--config", f"dump_rules={dump}"],
+                              cwd=root, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"snakemake could not load the Snakefile:\n{proc.stderr}")
+        rules = json.loads(dump.read_text())
+    view = {}
+    for name, rule in rules.items():
+        for item in rule["foreach"] or [None]:
+            # Snakemake writes wildcard constraints into output patterns: {item,a|b}.
+            sub = (lambda t: t) if item is None else (lambda t, i=item: re.sub(r"\{item(,[^}]*)?\}", i, t))
+            view[name if item is None else f"{name}@{item}"] = {
+                "cmd": sub(rule["cmd"]),
+                "deps": sorted(sub(i) for i in rule["input"]),
+                "params": sorted(rule["params"]),
+                "outs": sorted(sub(o) for o in rule["output"]),
+            }
+    return view
+
+
+def strip_launcher(cmd: str) -> str:
+    """The stage's own arguments: the launcher prefix (`python -m pipelines.launch <stage>`) is how a
+    stage is started here or on a cluster, not what it computes."""
+    words = cmd.split()
+    return " ".join(words[4:]) if words[:3] == LAUNCH.split() else cmd
+
+
+def disagreements(root: Path = ROOT) -> list[str]:
+    """Where DVC's and Snakemake's views of the pipeline differ (empty when they agree)."""
+    dvc, smk = dvc_view(root), snakemake_view(root)
+    problems = [f"stage {n} only in {'dvc.yaml' if n in dvc else 'the Snakefile'}" for n in sorted(set(dvc) ^ set(smk))]
+    for name in sorted(set(dvc) & set(smk)):
+        a, b = dict(dvc[name]), dict(smk[name])
+        a["cmd"], b["cmd"] = strip_launcher(a["cmd"]), strip_launcher(b["cmd"])
+        for key in a:
+            if a[key] != b[key]:
+                problems.append(f"stage {name}: {key} differ: dvc.yaml {a[key]} vs Snakefile {b[key]}")
+    return problems
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     target = ROOT / "dvc.yaml"
@@ -125,12 +192,16 @@ def main(argv=None) -> int:
         return 0
     if argv == ["check"]:
         current = target.read_text() if target.exists() else ""
-        if current == text:
-            print("dvc.yaml matches pipelines/stages.yaml")
-            return 0
-        sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), text.splitlines(True), "dvc.yaml", "from stages.yaml"))
-        print("\ndvc.yaml is out of date: run `python -m pipelines.dag write` (make dag)", file=sys.stderr)
-        return 1
+        if current != text:
+            sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), text.splitlines(True), "dvc.yaml", "from stages.yaml"))
+            print("\ndvc.yaml is out of date: run `python -m pipelines.dag write` (make dag)", file=sys.stderr)
+            return 1
+        problems = disagreements()
+        for p in problems:
+            print(p, file=sys.stderr)
+        if not problems:
+            print("dvc.yaml, the Snakefile and pipelines/stages.yaml agree")
+        return 1 if problems else 0
     print(__doc__, file=sys.stderr)
     return 2
 

@@ -7,16 +7,22 @@ for one process, or `torchrun --standalone --nproc-per-node N -m stages.<stage>`
 CPU, nccl on GPU; --standalone picks a free port, so parallel stages do not collide). On a machine with
 GPUs, a stage that asks for GPUs gets one process per visible GPU, up to `gpus_per_node`.
 `PIPELINE_NPROC_PER_NODE` overrides the process count for every stage.
+
+Outside Snakemake (under `dvc repro`), a stage that succeeds also drops Snakemake's provenance records
+of its outputs: they describe the previous Snakemake run, and would make Snakemake re-run a stage
+that DVC has just brought up to date. Without them Snakemake judges those outputs by modification time.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
-from pipelines.dag import load_table
+from pipelines.dag import fill, load_table
 
 
 def visible_gpus() -> int:
@@ -45,12 +51,27 @@ def command(stage: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *module]
 
 
+def forget_snakemake_records(stage: str) -> None:
+    name, _, item = stage.partition("@")
+    outs = [fill(o, item or None) for o in load_table()[name].outs]
+    if Path(".snakemake/metadata").is_dir():
+        subprocess.run([sys.executable, "-m", "snakemake", "--quiet", "all", "--cleanup-metadata", *outs],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
     cmd = command(sys.argv[1], sys.argv[2:])
     print("launch:", " ".join(cmd), file=sys.stderr, flush=True)
-    os.execv(cmd[0], cmd)
+    child = subprocess.Popen(cmd)
+    # Preemption and time limits signal the launcher; the stage must hear them to checkpoint.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+    code = child.wait()
+    if code == 0 and not os.environ.get("PIPELINE_SNAKEMAKE"):
+        forget_snakemake_records(sys.argv[1])
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

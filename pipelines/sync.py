@@ -1,0 +1,78 @@
+"""Make Snakemake's modification-time view agree with DVC's content-hash view of what is current.
+
+`dvc checkout` (and `dvc repro`, `dvc pull`) write outputs with fresh modification times: a restored
+upstream folder is then newer than the downstream outputs made from it, and Snakemake would re-run
+stages whose inputs did not change. DVC knows better: it compares content hashes with dvc.lock.
+The Snakefile calls `align_mtimes()` when it loads; for each stage that `dvc status` reports as
+current, in dependency order, outputs older than an input get that input's time (plus 1 ms), so
+Snakemake sees them as up to date too. Stages DVC reports as changed are left alone and re-run.
+
+    python -m pipelines.sync          # the same, by hand
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pipelines.dag import fill, load_table
+
+
+def snakemake_mtime(path: Path) -> float:
+    """The time Snakemake compares: a folder's .snakemake_timestamp if it has one, else its own mtime."""
+    stamp = path / ".snakemake_timestamp"
+    return (stamp if path.is_dir() and stamp.exists() else path).stat().st_mtime
+
+
+def set_mtime(path: Path, t: float) -> None:
+    os.utime(path, (t, t))
+    stamp = path / ".snakemake_timestamp"
+    if path.is_dir() and stamp.exists():
+        os.utime(stamp, (t, t))
+
+
+def dvc_changed(root: Path) -> set[str] | None:
+    """Names of the stages `dvc status` reports as changed; None when DVC cannot tell."""
+    proc = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=root, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None
+    try:
+        status = json.loads(proc.stdout or "{}")
+    except json.JSONDecodeError:
+        return None
+    return {name.rsplit(":", 1)[-1] for name in status}
+
+
+def align_mtimes(root: Path = Path(".")) -> list[str]:
+    """Bump outputs of DVC-current stages that are older than their inputs; returns what was bumped."""
+    changed = dvc_changed(root)
+    if changed is None:
+        return []
+    instances = [(st, name, item) for st in load_table(root / "pipelines/stages.yaml").values()
+                 for name, item in st.instances()]
+    bumped = []
+    # Repeat until nothing moves, so a bump upstream reaches every stage below it.
+    for _ in range(len(instances)):
+        moved = False
+        for st, name, item in instances:
+            deps = [root / fill(d, item) for d in st.deps]
+            outs = [root / fill(o, item) for o in st.outs]
+            if name in changed or not deps or not all(p.exists() for p in deps + outs):
+                continue
+            newest_input = max(snakemake_mtime(p) for p in deps)
+            for out in outs:
+                if snakemake_mtime(out) < newest_input:
+                    set_mtime(out, newest_input + 0.001)
+                    bumped.append(str(out.relative_to(root)))
+                    moved = True
+        if not moved:
+            break
+    return bumped
+
+
+if __name__ == "__main__":
+    done = align_mtimes()
+    print("aligned: " + (", ".join(done) if done else "nothing to do"))

@@ -1,0 +1,82 @@
+"""One truth for the DAG: dvc.yaml follows pipelines/stages.yaml, and what DVC parses equals what
+Snakemake parses, stage by stage (command without the launcher prefix, deps, params, outs)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from pipelines import dag
+
+from conftest import ROOT
+
+
+def copy_repo(dest):
+    """The files that define the DAG, in a fresh git+DVC repository."""
+    for name in ("Snakefile", "dvc.yaml", "params.yaml", ".dvcignore"):
+        shutil.copy(ROOT / name, dest / name)
+    for name in ("pipelines", "stages", ".dvc"):
+        shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "tmp", "cache"))
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    return dest
+
+
+def test_dvc_yaml_is_generated_from_the_table():
+    assert (ROOT / "dvc.yaml").read_text() == dag.render_dvc(dag.load_table()), "run: python -m pipelines.dag write"
+
+
+def test_dvc_and_snakemake_see_the_same_stages():
+    assert dag.disagreements(ROOT) == []
+    stages = dag.dvc_view(ROOT)
+    assert list(stages) == list(dag.load_table()), "every table stage reaches DVC"
+    assert stages["tokenize"]["deps"].count("data/prepare_data") == 1
+    report = stages["report"]
+    assert {"data/prepare_data", "data/tokenize"} <= set(report["deps"]), "report collects every other stage"
+
+
+def test_a_dep_edited_in_dvc_yaml_only_is_caught(tmp_path):
+    root = copy_repo(tmp_path)
+    doc = yaml.safe_load((root / "dvc.yaml").read_text())
+    doc["stages"]["tokenize"]["deps"].append("stages/common/sources.py")
+    (root / "dvc.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    problems = dag.disagreements(root)
+    assert len(problems) == 1 and problems[0].startswith("stage tokenize: deps differ")
+
+
+def test_an_output_edited_in_the_table_only_is_caught(tmp_path):
+    root = copy_repo(tmp_path)
+    table = root / "pipelines/stages.yaml"
+    table.write_text(table.read_text().replace("outs: [data/tokenize]", "outs: [data/tokenize, data/extra.bin]"))
+    problems = dag.disagreements(root)
+    assert any(p.startswith("stage tokenize: outs differ") for p in problems), problems
+
+
+def test_foreach_stages_map_to_dvc_foreach_and_snakemake_wildcards(tmp_path):
+    root = copy_repo(tmp_path)
+    table = root / "pipelines/stages.yaml"
+    doc = yaml.safe_load(table.read_text())
+    doc["stages"]["per_model"] = {
+        "args": "--model ${item} --output data/per_model/${item}",
+        "deps": ["data/tokenize", "stages/report.py"], "params": ["report"],
+        "outs": ["data/per_model/${item}"], "metrics": ["data/per_model/${item}/metrics.json"],
+        "foreach": ["small", "large"],
+    }
+    table.write_text(yaml.safe_dump(doc, sort_keys=False))
+    (root / "dvc.yaml").write_text(dag.render_dvc(dag.load_table(table)))
+    stages = dag.dvc_view(root)
+    assert {"per_model@small", "per_model@large"} <= set(stages)
+    assert stages["per_model@large"]["outs"] == ["data/per_model/large"]
+    assert "data/per_model/small" in stages["report"]["deps"], "report collects each instance"
+    assert dag.disagreements(root) == []
+    generated = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["per_model"]
+    assert generated["foreach"] == ["small", "large"] and "${item}" in generated["do"]["cmd"]
+
+
+def test_unknown_table_key_is_an_error(tmp_path):
+    table = tmp_path / "stages.yaml"
+    table.write_text("stages:\n  tokenize:\n    args: x\n    output: [y]\n")
+    with pytest.raises(dag.TableError, match="stage tokenize: unknown key\\(s\\) \\['output'\\]"):
+        dag.load_table(table)

@@ -1,0 +1,122 @@
+"""The real DAG on the ci preset, through `snakemake --cores 2` and `dvc repro`, in a scratch clone.
+
+Both tools must agree on what is current: re-running either with nothing changed runs nothing; a params
+change re-runs the stage and what follows; a deleted output re-runs only its stage and dependents;
+after one tool runs, the other sees everything up to date. MLflow groups each invocation's runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import MIRROR, ROOT
+
+pytestmark = pytest.mark.e2e
+UP_TO_DATE = "Data and pipelines are up to date."
+
+
+def sh(cmd: str, cwd: Path) -> str:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "PIPELINE_DATA_MIRROR": str(MIRROR), "PYTHONPATH": str(cwd)}
+    for key in ("MLFLOW_TRACKING_URI", "PIPELINE_RUN_ID", "PIPELINE_SNAKEMAKE"):
+        env.pop(key, None)  # the embedded defaults: sqlite in the clone, one group per invocation
+    proc = subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"`{cmd}` failed:\n{out[-6000:]}"
+    return out
+
+
+def snakemake_ran(out: str) -> set[str]:
+    return set(re.findall(r"^\s*(?:local)?rule (\w+):", out, re.M)) - {"all"}
+
+
+def dvc_ran(out: str) -> set[str]:
+    return set(re.findall(r"Running stage '([\w@]+)'", out))
+
+
+def set_vocab(clone: Path, size: int) -> None:
+    params = clone / "params.yaml"
+    params.write_text(re.sub(r"(\n  vocab_size:) \d+", rf"\1 {size}", params.read_text(), count=1))
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory, mirror) -> Path:
+    """The working tree (tracked and new files) as a fresh git repository, with the ci preset."""
+    dest = tmp_path_factory.mktemp("clone")
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.split(b"\0")
+    for name in filter(None, files):
+        src = ROOT / name.decode()
+        if src.is_file():
+            (dest / name.decode()).parent.mkdir(parents=True, exist_ok=True)
+            (dest / name.decode()).write_bytes(src.read_bytes())
+    sh("git init -q && python -m pipelines.preset ci && git add -A && "
+       "git -c user.name=ci -c user.email=ci@localhost commit -qm clone", dest)
+    return dest
+
+
+def mlflow_groups(clone: Path) -> dict[str, list[str]]:
+    """pipeline_run id -> stages of its child runs (only runs nested under a parent)."""
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{clone / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("pipeline").experiment_id], max_results=1000)
+    parents = {r.info.run_id: r.data.tags["pipeline_run"] for r in runs if r.data.tags.get("pipeline_role") == "parent"}
+    groups: dict[str, list[str]] = {}
+    for r in runs:
+        parent = r.data.tags.get("mlflow.parentRunId")
+        if parent in parents:
+            assert r.data.tags["pipeline_run"] == parents[parent]
+            groups.setdefault(parents[parent], []).append(r.data.tags["stage"])
+    assert len(parents) == len(groups), "every parent run holds the runs of its invocation"
+    return {k: sorted(v) for k, v in groups.items()}
+
+
+def test_snakemake_and_dvc_agree_on_what_is_current(clone):
+    out = sh("snakemake --cores 2", clone)
+    assert snakemake_ran(out) == {"prepare_data", "tokenize", "report"}
+    assert UP_TO_DATE in sh("dvc status", clone), "snakemake commits every stage to dvc.lock"
+    results = (clone / "reports/results.md").read_text()
+    assert "| result | paper | published | ours | tolerance | pass | stage | git_commit | data_hashes |" in results
+    assert "### tokenize" in results and (clone / "reports/results.json").is_file()
+
+    assert "Nothing to be done" in sh("snakemake --cores 2", clone)
+    assert dvc_ran(sh("dvc repro", clone)) == set()
+
+    # A params change re-runs tokenize and what follows, never prepare_data.
+    set_vocab(clone, 600)
+    assert snakemake_ran(sh("snakemake --cores 2", clone)) == {"tokenize", "report"}
+    assert UP_TO_DATE in sh("dvc status", clone)
+    set_vocab(clone, 640)
+    assert dvc_ran(sh("dvc repro", clone)) == {"tokenize", "report"}
+    assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone), "dvc repro results count for snakemake"
+
+    # A deleted output re-runs its stage and its dependents only.
+    sh("rm -rf data/tokenize", clone)
+    assert snakemake_ran(sh("snakemake --cores 2", clone)) == {"tokenize", "report"}
+    assert UP_TO_DATE in sh("dvc status", clone)
+    sh("rm -rf data/tokenize", clone)
+    out = sh("dvc repro", clone)
+    # DVC restores the deleted output from its run cache rather than recomputing identical work.
+    assert "Stage 'tokenize' is cached - skipping run, checking out outputs" in out or "tokenize" in dvc_ran(out)
+    assert "Stage 'prepare_data' didn't change, skipping" in out and (clone / "data/tokenize/meta.json").is_file()
+    assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
+
+    # Restoring from DVC's cache makes an upstream folder newer than its dependents; still current.
+    sh("rm -rf data/prepare_data && dvc checkout", clone)
+    assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
+    assert UP_TO_DATE in sh("dvc status", clone)
+
+    # One MLflow group per invocation that ran stages: three from snakemake, one from dvc repro.
+    groups = mlflow_groups(clone)
+    by_tool = {tool: sorted(str(v) for k, v in groups.items() if k.startswith(tool)) for tool in ("smk-", "dvc-")}
+    assert by_tool["smk-"] == sorted(map(str, [["prepare_data", "report", "tokenize"], ["report", "tokenize"],
+                                               ["report", "tokenize"]]))
+    assert by_tool["dvc-"] == [str(["report", "tokenize"])]
+    assert len(groups) == 4

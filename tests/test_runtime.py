@@ -1,0 +1,99 @@
+"""Checkpoint location, atomic folders, SIGTERM handling and the distributed helpers under real gloo."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from stages.common import ckpt, dist
+
+from conftest import ROOT
+
+
+def test_checkpoint_dir_depends_on_params_and_inputs(tmp_path):
+    a = ckpt.checkpoint_dir("pretrain", {"lr": 1e-3}, "abc", root=tmp_path)
+    assert a == ckpt.checkpoint_dir("pretrain", {"lr": 1e-3}, "abc", root=tmp_path)
+    assert a.parent == tmp_path / "pretrain"
+    assert a != ckpt.checkpoint_dir("pretrain", {"lr": 2e-3}, "abc", root=tmp_path)
+    assert a != ckpt.checkpoint_dir("pretrain", {"lr": 1e-3}, "abd", root=tmp_path)
+
+
+def test_hash_files_sees_content_and_names(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d/x").write_text("1")
+    h1 = ckpt.hash_files([tmp_path / "d"])
+    (tmp_path / "d/x").write_text("2")
+    h2 = ckpt.hash_files([tmp_path / "d"])
+    (tmp_path / "d/x").rename(tmp_path / "d/y")
+    assert len({h1, h2, ckpt.hash_files([tmp_path / "d"])}) == 3
+
+
+def test_atomic_dir_replaces_on_success_and_leaves_nothing_on_error(tmp_path):
+    final = tmp_path / "out"
+    final.mkdir()
+    (final / "old").write_text("old")
+    with ckpt.atomic_dir(final) as tmp:
+        assert tmp != final and tmp.parent == tmp_path
+        (tmp / "new").write_text("new")
+        assert (final / "old").exists(), "the old folder stays readable until the rename"
+    assert sorted(p.name for p in final.iterdir()) == ["new"]
+    with pytest.raises(RuntimeError):
+        with ckpt.atomic_dir(final) as tmp:
+            (tmp / "half").write_text("x")
+            raise RuntimeError("crash")
+    assert sorted(p.name for p in final.iterdir()) == ["new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_latest_checkpoint_ignores_half_written(tmp_path):
+    assert ckpt.latest_checkpoint(tmp_path) is None
+    for name in ("step-5", "step-20", ".step-30.tmp-abc", "step-x"):
+        (tmp_path / name).mkdir()
+    assert ckpt.latest_checkpoint(tmp_path).name == "step-20"
+
+
+SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    from pathlib import Path
+    from stages.common import ckpt, dist
+    rt = dist.init()
+    stop = dist.handle_sigterm()
+    assert rt.world_size == 2 and rt.device.type == "cpu"
+    assert dist.gather_objects(rt.rank) == [0, 1]
+    assert dist.broadcast_object("from0" if rt.is_main else None) == "from0"
+    assert dist.all_reduce_sum(torch.tensor([rt.rank + 1.0])).item() == 3.0
+    out = Path(sys.argv[1])
+    with ckpt.atomic_dir(out, rt) as tmp:
+        (tmp / f"rank{rt.rank}").write_text("x")
+    assert sorted(p.name for p in out.iterdir()) == ["rank0", "rank1"]
+    if rt.rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert dist.any_rank(bool(stop)), "a SIGTERM on one rank stops every rank"
+    dist.print0("ok", rt=rt)
+    dist.teardown()
+""")
+
+
+def test_runtime_under_torchrun_with_two_processes(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), str(tmp_path / "out")],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("ok") == 1, "print0 prints once"
+
+
+def test_single_process_runtime_has_no_group():
+    rt = dist.init()
+    assert (rt.rank, rt.world_size, rt.is_main, rt.distributed) == (0, 1, True, False)
+    assert dist.gather_objects(7) == [7] and dist.broadcast_object(3) == 3 and dist.any_rank(False) is False
+    import torch
+
+    assert dist.compute_dtype(torch.device("cpu")) == torch.float32
