@@ -18,8 +18,10 @@ Run:
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,26 +126,9 @@ def line_range(path: Path, rank: int, world: int) -> tuple[int, int]:
     return line_start_at_or_after(size * rank // world), line_start_at_or_after(size * (rank + 1) // world)
 
 
-def encode_range(tok, txt: Path, doc_ends: set[int], start: int, end: int, out: Path, cfg: Config, bar) -> dict:
-    """Encode the lines in [start, end) into the raw id file `out`; an eos follows each document end."""
-    eos = tok.token_to_id(shards.EOS_TOKEN)
-    dtype = shards.dtype_for(tok.get_vocab_size())
-    counts = {"tokens": 0, "bytes": 0, "words": 0, "documents": 0}
-
-    def flush(lines, ends_doc):
-        encoded = tok.encode_batch_fast(lines, add_special_tokens=False)
-        pieces = []
-        for enc, is_end in zip(encoded, ends_doc):
-            pieces.append(enc.ids)
-            if is_end:
-                pieces.append([eos])
-        ids = np.fromiter((i for p in pieces for i in p), dtype=dtype)
-        ids.tofile(fh)
-        counts["tokens"] += len(ids)
-        counts["documents"] += sum(ends_doc)
-        counts["words"] += sum(len(line.split()) for line in lines)
-
-    with open(txt, "rb") as src, open(out, "wb") as fh:
+def read_batches(txt: Path, doc_ends: set[int], start: int, end: int, batch_lines: int):
+    """Yield (lines, ends_document) for the whole lines in [start, end), `batch_lines` at a time."""
+    with open(txt, "rb") as src:
         src.seek(start)
         pos = start
         lines, ends_doc = [], []
@@ -152,13 +137,44 @@ def encode_range(tok, txt: Path, doc_ends: set[int], start: int, end: int, out: 
             pos += len(raw)
             lines.append(raw.decode("utf-8"))
             ends_doc.append(pos in doc_ends)
-            if len(lines) == cfg.batch_lines:
-                flush(lines, ends_doc)
-                bar.update(sum(len(x) for x in lines))
+            if len(lines) == batch_lines:
+                yield lines, ends_doc
                 lines, ends_doc = [], []
         if lines:
-            flush(lines, ends_doc)
-        counts["bytes"] = end - start
+            yield lines, ends_doc
+
+
+def encode_range(tok, txt: Path, doc_ends: set[int], start: int, end: int, out: Path, cfg: Config, bar) -> dict:
+    """Encode the lines in [start, end) into the raw id file `out`; an eos follows each document end.
+
+    The encoder releases the GIL, so one worker thread encodes the next batch while this thread turns
+    the previous one into ids on disk."""
+    eos = tok.token_to_id(shards.EOS_TOKEN)
+    dtype = shards.dtype_for(tok.get_vocab_size())
+    counts = {"tokens": 0, "bytes": end - start, "words": 0, "documents": 0}
+
+    def write(encoded, lines, ends_doc, fh):
+        pieces = []
+        for enc, is_end in zip(encoded, ends_doc):
+            pieces.append(enc.ids)
+            if is_end:
+                pieces.append((eos,))
+        ids = np.fromiter(itertools.chain.from_iterable(pieces), dtype=dtype)
+        ids.tofile(fh)
+        counts["tokens"] += len(ids)
+        counts["documents"] += sum(ends_doc)
+        counts["words"] += sum(len(line.split()) for line in lines)
+        bar.update(sum(len(line) for line in lines))
+
+    with open(out, "wb") as fh, ThreadPoolExecutor(max_workers=1) as pool:
+        pending = None
+        for lines, ends_doc in read_batches(txt, doc_ends, start, end, cfg.batch_lines):
+            future = pool.submit(tok.encode_batch_fast, lines, add_special_tokens=False)
+            if pending:
+                write(pending[0].result(), *pending[1:], fh)
+            pending = (future, lines, ends_doc)
+        if pending:
+            write(pending[0].result(), *pending[1:], fh)
     return counts
 
 

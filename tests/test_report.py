@@ -1,0 +1,77 @@
+"""The report: one row schema for every reproduced result, stage metrics, plots, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stages import report
+from stages.common import config
+
+
+def stage_folder(root, name, metrics=None, rows=None, plot=False):
+    folder = root / "data" / name
+    folder.mkdir(parents=True)
+    if metrics is not None:
+        (folder / "metrics.json").write_text(json.dumps(metrics))
+    if rows is not None:
+        (folder / "results.json").write_text(json.dumps(rows))
+    if plot:
+        (folder / "plots").mkdir()
+        (folder / "plots/accuracy.png").write_bytes(b"\x89PNG")
+    return folder
+
+
+@pytest.fixture
+def tree(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv("PIPELINE_RUN_ID", raising=False)
+    (tmp_path / "params.yaml").write_text("report:\n  strict: false\n")
+    prep = stage_folder(tmp_path, "prepare_data", metrics={"train_bytes": 10})
+    (prep / "meta.json").write_text(json.dumps({"files": {"planetoid/Cora/raw/ind.cora.x": "ab" * 32}}))
+    stage_folder(tmp_path, "train_gnn", metrics={"gcn": {"test_acc": 0.81}}, plot=True, rows=[
+        {"result": "GCN Cora test accuracy", "paper": "Kipf & Welling 2017", "published": 81.5, "ours": 81.0,
+         "tolerance": 1.0, "data": ["planetoid/Cora/raw/ind.cora.x"]},
+        {"result": "GAT Cora test accuracy", "paper": "Velickovic et al. 2018", "published": 83.0, "ours": 80.0,
+         "tolerance": 1.0},
+    ])
+    return tmp_path
+
+
+def test_rows_share_one_schema_and_pass_is_computed(tree):
+    doc = report.main(["--output", "reports", "--inputs", "data/prepare_data", "data/train_gnn"])
+    assert [tuple(r) for r in doc["rows"]] == [report.ROW_FIELDS] * 2
+    gcn, gat = doc["rows"]
+    assert (gcn["pass"], gat["pass"]) == (True, False)
+    assert gcn["data_hashes"] == {"planetoid/Cora/raw/ind.cora.x": "ab" * 32} and gat["data_hashes"] == {}
+    assert gcn["stage"] == "train_gnn" and gcn["git_commit"]
+    md = (tree / "reports/results.md").read_text()
+    assert "| GCN Cora test accuracy | Kipf & Welling 2017 | 81.5 | 81 | 1 | pass | train_gnn |" in md
+    assert "| GAT Cora test accuracy |" in md and "| FAIL |" in md
+    assert "![data/train_gnn/plots/accuracy.png](../data/train_gnn/plots/accuracy.png)" in md
+    assert "| gcn.test_acc | 0.81 |" in md
+    assert json.loads((tree / "reports/results.json").read_text())["rows"] == doc["rows"]
+
+
+def test_strict_fails_on_a_row_outside_tolerance_but_still_writes(tree):
+    with pytest.raises(config.UserError, match="outside tolerance: GAT Cora test accuracy"):
+        report.main(["--output", "reports", "--inputs", "data/train_gnn", "strict=true"])
+    assert (tree / "reports/results.md").is_file()
+
+
+def test_schema_is_there_without_any_result(tree):
+    doc = report.main(["--output", "reports", "--inputs", "data/prepare_data"])
+    md = (tree / "reports/results.md").read_text()
+    assert doc["rows"] == [] and "| " + " | ".join(report.ROW_FIELDS) + " |" in md
+    assert "No stage of this pipeline reproduces a published result yet" in md
+
+
+def test_bad_rows_and_missing_inputs_are_clear_errors(tree):
+    stage_folder(tree, "broken", rows=[{"result": "x", "ours": 1}])
+    with pytest.raises(config.UserError, match="results.json: row 0 lacks paper, published, tolerance"):
+        report.main(["--output", "reports", "--inputs", "data/broken"])
+    with pytest.raises(config.UserError, match="data/missing not found"):
+        report.main(["--output", "reports", "--inputs", "data/missing"])
+    assert not (tree / "reports").exists()
