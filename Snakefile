@@ -21,7 +21,7 @@ os.environ.setdefault("PIPELINE_RUN_ID", "smk-" + uuid.uuid4().hex[:12])
 os.environ["PIPELINE_SNAKEMAKE"] = "1"  # tells pipelines.launch that Snakemake keeps its own records
 
 STAGES = load_table()
-if workflow.is_main_process and not config.get("dump_rules"):
+if workflow.is_main_process and not config.get("dump_rules") and not os.environ.get("PIPELINE_NO_SYNC"):
     # Outputs DVC restored or rebuilt count as current when dvc.lock says so (see pipelines/sync.py).
     align_mtimes()
 with open("params.yaml") as fh:

@@ -55,8 +55,9 @@ def forget_snakemake_records(stage: str) -> None:
     name, _, item = stage.partition("@")
     outs = [fill(o, item or None) for o in load_table()[name].outs]
     if Path(".snakemake/metadata").is_dir():
+        # PIPELINE_NO_SYNC: DVC holds its repository lock now, so the Snakefile must not ask `dvc status`.
         subprocess.run([sys.executable, "-m", "snakemake", "--quiet", "all", "--cleanup-metadata", *outs],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       env={**os.environ, "PIPELINE_NO_SYNC": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def main() -> None:

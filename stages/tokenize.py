@@ -127,21 +127,19 @@ def line_range(path: Path, rank: int, world: int) -> tuple[int, int]:
 
 
 def read_batches(txt: Path, doc_ends: set[int], start: int, end: int, batch_lines: int):
-    """Yield (lines, ends_document) for the whole lines in [start, end), `batch_lines` at a time."""
+    """Yield (lines, ends_document, bytes) for the whole lines in [start, end), `batch_lines` at a time."""
     with open(txt, "rb") as src:
         src.seek(start)
-        pos = start
+        pos = batch_start = start
         lines, ends_doc = [], []
         while pos < end:
             raw = src.readline()
             pos += len(raw)
             lines.append(raw.decode("utf-8"))
             ends_doc.append(pos in doc_ends)
-            if len(lines) == batch_lines:
-                yield lines, ends_doc
-                lines, ends_doc = [], []
-        if lines:
-            yield lines, ends_doc
+            if len(lines) == batch_lines or pos >= end:
+                yield lines, ends_doc, pos - batch_start
+                lines, ends_doc, batch_start = [], [], pos
 
 
 def encode_range(tok, txt: Path, doc_ends: set[int], start: int, end: int, out: Path, cfg: Config, bar) -> dict:
@@ -153,7 +151,7 @@ def encode_range(tok, txt: Path, doc_ends: set[int], start: int, end: int, out: 
     dtype = shards.dtype_for(tok.get_vocab_size())
     counts = {"tokens": 0, "bytes": end - start, "words": 0, "documents": 0}
 
-    def write(encoded, lines, ends_doc, fh):
+    def write(encoded, lines, ends_doc, nbytes):
         pieces = []
         for enc, is_end in zip(encoded, ends_doc):
             pieces.append(enc.ids)
@@ -164,17 +162,17 @@ def encode_range(tok, txt: Path, doc_ends: set[int], start: int, end: int, out: 
         counts["tokens"] += len(ids)
         counts["documents"] += sum(ends_doc)
         counts["words"] += sum(len(line.split()) for line in lines)
-        bar.update(sum(len(line) for line in lines))
+        bar.update(nbytes)
 
     with open(out, "wb") as fh, ThreadPoolExecutor(max_workers=1) as pool:
         pending = None
-        for lines, ends_doc in read_batches(txt, doc_ends, start, end, cfg.batch_lines):
+        for lines, ends_doc, nbytes in read_batches(txt, doc_ends, start, end, cfg.batch_lines):
             future = pool.submit(tok.encode_batch_fast, lines, add_special_tokens=False)
             if pending:
-                write(pending[0].result(), *pending[1:], fh)
-            pending = (future, lines, ends_doc)
+                write(pending[0].result(), *pending[1:])
+            pending = (future, lines, ends_doc, nbytes)
         if pending:
-            write(pending[0].result(), *pending[1:], fh)
+            write(pending[0].result(), *pending[1:])
     return counts
 
 
@@ -247,7 +245,7 @@ def main(argv=None) -> dict:
     check_input(inp)
     rt = dist.init()
     # The tokenizers thread pool would otherwise claim every core in every process.
-    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // rt.local_world_size)))
+    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // rt.local_world_size)))
     try:
         inputs_hash = ckpt.hash_files([inp / "corpus"]) if rt.is_main else ""
         with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt) as tracker:

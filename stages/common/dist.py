@@ -111,7 +111,7 @@ def print0(*args, rt: Runtime | None = None, **kwargs) -> None:
 
 
 def progress(iterable=None, rt: Runtime | None = None, **kwargs):
-    """A tqdm bar on rank 0 only; silent elsewhere and when stderr is not a terminal unless forced."""
+    """A tqdm bar on rank 0 only (on stderr, refreshed at most every 2 s); silent on other ranks."""
     from tqdm.auto import tqdm
 
     disable = rt is not None and not rt.is_main
