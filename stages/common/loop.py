@@ -1,0 +1,270 @@
+"""The one training loop of the codebase: pretrain and extend_context both call `train()`.
+
+It owns what every causal-LM training run needs: data parallelism (DDP, or FSDP2 `fully_shard` per
+decoder layer then the root), AdamW with weight-decay groups, linear warmup + cosine decay, gradient
+accumulation and clipping, periodic validation, tokens/s and MFU, sharded checkpoints with
+`torch.distributed.checkpoint` every N steps and on SIGTERM, and exact resume from the newest
+complete checkpoint.
+
+Batches are a pure function of (seed, step): each step draws `batch_size` windows from the token
+stream with a generator seeded by both, and rank r takes its slice. So the data position is the step,
+and the losses do not depend on the number of processes or on where a run was resumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
+)
+
+from stages.common import ckpt, dist
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    steps: int
+    batch_size: int  # sequences per optimizer step, over all processes
+    micro_batch_size: int  # sequences per forward pass, per process
+    context_length: int
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    weight_decay: float
+    beta1: float
+    beta2: float
+    grad_clip: float
+    strategy: str
+    activation_checkpointing: bool
+    compile: bool
+    eval_every: int
+    eval_batches: int
+    checkpoint_every: int
+    log_every: int
+    seed: int
+    peak_tflops: float
+
+
+def grad_accum_steps(cfg: LoopConfig, world_size: int) -> int:
+    per_step = cfg.micro_batch_size * world_size
+    if cfg.batch_size % per_step:
+        raise ValueError(
+            f"batch_size ({cfg.batch_size}) must be a multiple of micro_batch_size x processes "
+            f"({cfg.micro_batch_size} x {world_size}); change batch_size or micro_batch_size"
+        )
+    return cfg.batch_size // per_step
+
+
+def lr_at(step: int, cfg: LoopConfig) -> float:
+    """Linear warmup to lr, then cosine decay to min_lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def flops_per_token(model, context_length: int) -> float:
+    """6 x non-embedding parameters (output head counted) + 12 x layers x context x hidden."""
+    c = model.config
+    n = sum(p.numel() for p in model.parameters()) - c.vocab_size * c.hidden_size
+    return 6 * n + 12 * c.num_hidden_layers * context_length * c.hidden_size
+
+
+class Windows:
+    """Training windows of `context + 1` tokens drawn from a token stream, a pure function of (seed, step)."""
+
+    def __init__(self, tokens: np.ndarray, context: int, seed: int):
+        if len(tokens) < context + 2:
+            raise ValueError(f"the split has {len(tokens)} tokens, fewer than one window of {context + 1}")
+        self.tokens, self.context, self.seed = tokens, context, seed
+
+    def batch(self, step: int, index: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Windows [index, index + size) of the step's global batch: inputs and targets, (B, T) each."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, len(self.tokens) - self.context - 1, (index + size,), generator=g)[index:]
+        rows = np.stack([self.tokens[s : s + self.context + 1] for s in starts.tolist()]).astype(np.int64)
+        rows = torch.from_numpy(rows)
+        return rows[:, :-1], rows[:, 1:]
+
+
+def wrap(model, cfg: LoopConfig, rt: dist.Runtime):
+    """Put the model on the device and under DDP or FSDP2 (one process: unwrapped)."""
+    model.to(rt.device)
+    if cfg.activation_checkpointing:
+        model.activation_checkpointing_enable()
+    if not rt.distributed:
+        return torch.compile(model) if cfg.compile else model
+    if cfg.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+        return torch.compile(model) if cfg.compile else model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(rt.device.type, (rt.world_size,))
+    kwargs = {"mesh": mesh}
+    if dist.compute_dtype(rt.device) == torch.bfloat16:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        if cfg.compile:
+            layer.compile()
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def make_optimizer(model, cfg: LoopConfig):
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=True)
+
+
+def save_checkpoint(folder: Path, step: int, model, optimizer, history: list, rt: dist.Runtime, keep: int = 2) -> Path:
+    """Sharded model + optimizer state (every rank writes its shard), plus step, loss history and RNG
+    state; published by renaming, so a crash mid-write leaves no `step-*` folder behind."""
+    final = folder / f"step-{step}"
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with ckpt.atomic_dir(final, rt) as tmp:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+        if rt.is_main:
+            torch.save({"step": step, "history": history, "torch_rng": torch.get_rng_state()}, tmp / "extra.pt")
+        if os.environ.get("PIPELINE_FAULT_IN_CHECKPOINT") == str(step):
+            os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the resume tests
+    if rt.is_main:
+        done = sorted((p for p in folder.glob("step-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+        for old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: Path, model, optimizer) -> dict:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path / "state"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = torch.load(path / "extra.pt", weights_only=False)
+    torch.set_rng_state(extra["torch_rng"])
+    return extra
+
+
+def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; y is x shifted by one, (B, T) each. Logits in fp32."""
+    logits = model(input_ids=x).logits  # (B, T, V)
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+@torch.no_grad()
+def evaluate(model, windows: Windows, cfg: LoopConfig, rt: dist.Runtime) -> float:
+    """Mean loss over `eval_batches` global batches of fixed validation windows (same every call)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=rt.device)
+    for b in range(cfg.eval_batches):
+        for m in range(grad_accum_steps(cfg, rt.world_size)):
+            index = (m * rt.world_size + rt.rank) * cfg.micro_batch_size
+            x, y = windows.batch(-1 - b, index, cfg.micro_batch_size)
+            with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=dist.compute_dtype(rt.device) == torch.bfloat16):
+                loss = lm_loss(model, x.to(rt.device), y.to(rt.device))
+            total += torch.tensor([loss.item(), 1.0], dtype=torch.float64, device=rt.device)
+    model.train()
+    if rt.distributed:
+        torch.distributed.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def train(model, train_tokens: np.ndarray, val_tokens: np.ndarray, cfg: LoopConfig, rt: dist.Runtime,
+          ckpt_folder: Path, tracker, stop: dist.StopFlag) -> dict:
+    """Train `model` (a transformers causal LM) for cfg.steps optimizer steps, resuming from the newest
+    checkpoint in `ckpt_folder`. Returns history (per-step loss/lr, validation losses), the wrapped
+    model, and whether SIGTERM stopped it early (a checkpoint was written)."""
+    accum = grad_accum_steps(cfg, rt.world_size)
+    fpt = flops_per_token(model, cfg.context_length)
+    model = wrap(model, cfg, rt)
+    optimizer = make_optimizer(model, cfg)
+    train_w = Windows(train_tokens, cfg.context_length, cfg.seed)
+    val_w = Windows(val_tokens, cfg.context_length, cfg.seed)
+    history = {"step": [], "loss": [], "lr": [], "val_step": [], "val_loss": []}
+    start = 0
+    latest = ckpt.latest_checkpoint(ckpt_folder)
+    if latest is not None:
+        extra = load_checkpoint(latest, model, optimizer)
+        start, history = extra["step"], extra["history"]
+        dist.print0(f"resuming from {latest} (step {start})", rt=rt)
+    amp = torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=dist.compute_dtype(rt.device) == torch.bfloat16)
+    tokens_per_step = cfg.batch_size * cfg.context_length
+    stopped = False
+    bar = dist.progress(total=cfg.steps, initial=start, desc="train", rt=rt)
+    step_times = []  # seconds of each step's forward/backward/update (validation and saving excluded)
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=rt.device)
+        for m in range(accum):
+            index = (m * rt.world_size + rt.rank) * cfg.micro_batch_size
+            x, y = train_w.batch(step, index, cfg.micro_batch_size)
+            x, y = x.to(rt.device), y.to(rt.device)
+            last = m == accum - 1
+            # DDP: all-reduce gradients only on the last micro-batch of the step.
+            no_sync = rt.distributed and not last and cfg.strategy == "ddp"
+            with (model.no_sync() if no_sync else contextlib.nullcontext()), amp:
+                loss = lm_loss(model, x, y) / accum
+                loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rt.distributed:
+            torch.distributed.all_reduce(loss_sum)
+            loss_sum /= rt.world_size
+        loss_value = loss_sum.item()
+        step_times.append(time.perf_counter() - t0)
+        history["step"].append(step + 1)
+        history["loss"].append(loss_value)
+        history["lr"].append(lr)
+        bar.update(1)
+        done = step + 1
+        tps = tokens_per_step / max(step_times[-1], 1e-9)
+        metrics = {"loss": loss_value, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps,
+                   "mfu": fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12)}
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tps:,.0f}")
+        if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+            metrics["val_loss"] = evaluate(model, val_w, cfg, rt)
+            history["val_step"].append(done)
+            history["val_loss"].append(metrics["val_loss"])
+        tracker.log_metrics(metrics, step=done)
+        stopped = dist.any_rank(bool(stop))
+        if stopped or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps):
+            save_checkpoint(ckpt_folder, done, model, optimizer, history, rt)
+        if stopped:
+            dist.print0(f"stopped by SIGTERM after step {done}; checkpoint saved, re-run to resume", rt=rt)
+            break
+    bar.close()
+    # Throughput over this run's steps, the first (warm-up, allocation) left out when there are others.
+    timed = step_times[1:] or step_times
+    tps = tokens_per_step * len(timed) / max(sum(timed), 1e-9) if timed else 0.0
+    return {"history": history, "model": model, "stopped": stopped, "flops_per_token": fpt,
+            "tokens_per_s": tps, "mfu": fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12)}
+
+
+def full_state_dict(model, rt: dist.Runtime) -> dict:
+    """The whole model's state on CPU, on rank 0 (gathered from FSDP shards or taken from DDP)."""
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k.removeprefix("_orig_mod."): v for k, v in sd.items()} if rt.is_main else {}
