@@ -41,7 +41,7 @@ class Stage:
     params: tuple[str, ...]
     outs: tuple[str, ...]
     metrics: tuple[str, ...] = ()
-    plots: tuple[str, ...] = ()
+    plots: tuple = ()
     resources: dict = field(default_factory=dict)
     foreach: tuple[str, ...] = ()
     collect: bool = False
@@ -61,7 +61,10 @@ def is_dir(path: str) -> bool:
     return Path(path).suffix == ""
 
 
-def fill(text: str, item: str | None) -> str:
+def fill(text, item: str | None):
+    """Replace ${item} in a path, or in the keys of a {path: options} plot entry."""
+    if isinstance(text, dict):
+        return {fill(k, item): v for k, v in text.items()}
     return text if item is None else text.replace("${item}", item)
 
 

@@ -213,7 +213,7 @@ def main(argv=None) -> dict:
         meta = dist.broadcast_object(meta)
         dist.print0(f"pretrain: {meta['parameters'] / 1e6:.2f}M parameters, {meta['step']} steps, "
                     f"train loss {meta['final_train_loss']:.4f}, val loss {meta['final_val_loss']} -> {output}", rt=rt)
-        return {**meta, "history": result["history"]}
+        return {**meta, "history": result["history"], "model": result["model"]}
     finally:
         dist.teardown()
 
