@@ -175,6 +175,38 @@ def save_outputs(tmp: Path, model_sd: dict, cfg: Config, meta_in: dict, inp: Pat
     return meta
 
 
+def run(cfg: Config, inp: Path, output: Path, meta_in: dict, rt: dist.Runtime, stop: dist.StopFlag) -> dict:
+    """Train and publish. The wrapped (DDP/FSDP) model lives only in here: it must be gone before the
+    process group is torn down, or gloo's shutdown can deadlock on it."""
+    lcfg = loop_config(cfg)
+    dist.seed_everything(cfg.seed)
+    inputs_hash = dist.broadcast_object(ckpt.hash_files([inp]) if rt.is_main else None)
+    ckpt_folder = ckpt.checkpoint_dir(STAGE, config.as_dict(cfg), inputs_hash)
+    train_tokens = shards.load_split(inp, "train")
+    val_tokens = shards.load_split(inp, "val")
+    with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"checkpoints": str(ckpt_folder)}) as tracker:
+        result = loop.train(build_model(cfg, meta_in), train_tokens, val_tokens, lcfg, rt, ckpt_folder, tracker, stop)
+        if result["stopped"]:
+            tracker.set_tags({"stopped_by": "SIGTERM", "resume_from": str(ckpt_folder)})
+            return {"stopped": True}
+        model_sd = loop.full_state_dict(result["model"], rt)
+        meta = None
+        with ckpt.atomic_dir(output, rt) as tmp:
+            if rt.is_main:
+                meta = save_outputs(tmp, model_sd, cfg, meta_in, inp, result)
+                ckpt.write_json(tmp / "metrics.json", {
+                    k: meta[k] for k in ("final_train_loss", "final_val_loss", "tokens_seen", "parameters")
+                } | {"tokens_per_s": result["tokens_per_s"], "mfu": result["mfu"]})
+        if rt.is_main:
+            tracker.log_artifact(output / "plots/loss.png", "plots")
+            tracker.log_artifact(output / "meta.json")
+            shutil.rmtree(ckpt_folder, ignore_errors=True)  # the run is complete; its checkpoints are spent
+    meta = dist.broadcast_object(meta)
+    # One process: hand back the trained model itself (tests compare it with what was saved).
+    return {**meta, "history": result["history"], "stopped": False,
+            "model": None if rt.distributed else result["model"]}
+
+
 def main(argv=None) -> dict:
     args, overrides = config.parse_cli(__doc__, {"input": "data/tokenize", "output": "data/pretrain"}, argv)
     cfg = config.load(Config, STAGE, args.params, overrides)
@@ -184,38 +216,17 @@ def main(argv=None) -> dict:
     stop = dist.handle_sigterm()
     try:
         try:
-            lcfg = loop_config(cfg)
-            loop.grad_accum_steps(lcfg, rt.world_size)
+            loop.grad_accum_steps(loop_config(cfg), rt.world_size)
         except ValueError as e:
             raise config.UserError(f"params.yaml: pretrain.{e}") from None
-        dist.seed_everything(cfg.seed)
-        inputs_hash = dist.broadcast_object(ckpt.hash_files([inp]) if rt.is_main else None)
-        ckpt_folder = ckpt.checkpoint_dir(STAGE, config.as_dict(cfg), inputs_hash)
-        train_tokens = shards.load_split(inp, "train")
-        val_tokens = shards.load_split(inp, "val")
-        model = build_model(cfg, meta_in)
-        with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"checkpoints": str(ckpt_folder)}) as tracker:
-            result = loop.train(model, train_tokens, val_tokens, lcfg, rt, ckpt_folder, tracker, stop)
-            if result["stopped"]:
-                raise SystemExit(143)  # preempted: a checkpoint holds the progress; the scheduler re-runs us
-            model_sd = loop.full_state_dict(result["model"], rt)
-            meta = None
-            with ckpt.atomic_dir(output, rt) as tmp:
-                if rt.is_main:
-                    meta = save_outputs(tmp, model_sd, cfg, meta_in, inp, result)
-                    ckpt.write_json(tmp / "metrics.json", {
-                        k: meta[k] for k in ("final_train_loss", "final_val_loss", "tokens_seen", "parameters")
-                    } | {"tokens_per_s": result["tokens_per_s"], "mfu": result["mfu"]})
-            if rt.is_main:
-                tracker.log_artifact(output / "plots/loss.png", "plots")
-                tracker.log_artifact(output / "meta.json")
-                shutil.rmtree(ckpt_folder, ignore_errors=True)  # the run is complete; its checkpoints are spent
-        meta = dist.broadcast_object(meta)
-        dist.print0(f"pretrain: {meta['parameters'] / 1e6:.2f}M parameters, {meta['step']} steps, "
-                    f"train loss {meta['final_train_loss']:.4f}, val loss {meta['final_val_loss']} -> {output}", rt=rt)
-        return {**meta, "history": result["history"], "model": result["model"]}
+        out = run(cfg, inp, output, meta_in, rt, stop)
     finally:
         dist.teardown()
+    if out["stopped"]:
+        raise SystemExit(143)  # preempted: a checkpoint holds the progress; re-running resumes from it
+    dist.print0(f"pretrain: {out['parameters'] / 1e6:.2f}M parameters, {out['step']} steps, train loss "
+                f"{out['final_train_loss']:.4f}, val loss {out['final_val_loss']:.4f} -> {output}", rt=rt)
+    return out
 
 
 if __name__ == "__main__":

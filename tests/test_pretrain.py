@@ -74,6 +74,12 @@ def test_ddp_fsdp_and_one_process_train_the_same_model(tokenized, monkeypatch):
     metrics = json.loads((tokenized / "fsdp/metrics.json").read_text())
     assert metrics["tokens_per_s"] > 0 and 0 < metrics["mfu"] < 1
     assert (tokenized / "fsdp/plots/loss.png").stat().st_size > 0
+    # generate samples from any model folder; greedy decoding is deterministic and keeps the prompt.
+    from stages import generate
+
+    text = generate.generate(tokenized / "one/model", "ROMEO:", max_new_tokens=12, greedy=True)
+    assert text.startswith("ROMEO:") and len(text) > len("ROMEO:")
+    assert generate.generate(tokenized / "one/model", "ROMEO:", max_new_tokens=12, greedy=True) == text
 
 
 def test_resume_after_kills_equals_an_uninterrupted_run(tokenized):

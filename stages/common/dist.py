@@ -8,6 +8,7 @@ collective below is a no-op, so a stage runs the same code either way.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import random
 import signal
@@ -58,7 +59,10 @@ def init(timeout_s: int = 1800) -> Runtime:
 
 
 def teardown() -> None:
+    """Leave the process group. Drop wrapped (DDP/FSDP) models first: one that outlives its group can
+    deadlock gloo's shutdown."""
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

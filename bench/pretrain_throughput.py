@@ -1,0 +1,149 @@
+"""Pretrain throughput: the stage's training loop vs a bare PyTorch loop and the Hugging Face Trainer.
+
+    python bench/pretrain_throughput.py [--steps 15] [--repeats 2]
+
+Same Llama model (hidden 256, 4 layers, 8 heads, MLP 688, vocab 4096: 5.3M parameters), same random
+token data, batch 8 x 256, AdamW, fp32, one process on all cores, in one run; the runs alternate and
+each reports its best. Figures printed:
+  stage / bare loop     stages.common.loop.train vs forward + backward + AdamW step and nothing else
+  stage / Trainer       vs transformers.Trainer with the same optimizer, schedule and clipping
+  stage FLOP/s / matmul model FLOPs per token x tokens/s, over a 2048^3 fp32 matmul's FLOP/s measured
+                        here, now (model FLOPs per token = 6 x non-embedding parameters, output head
+                        included, + 12 x layers x context x hidden)
+The first step of every run (allocation, warm-up) is left out of its timing.
+Goals: >= 1.0x the bare loop, >= 1.05x Trainer, >= 0.6 of the matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from stages.common import dist, loop, track  # noqa: E402
+
+HIDDEN, LAYERS, HEADS, FFN, VOCAB, CONTEXT, BATCH = 256, 4, 8, 688, 4096, 256, 8
+
+
+def make_model(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=CONTEXT,
+        tie_word_embeddings=False,
+    ))
+
+
+def loop_cfg(steps: int) -> loop.LoopConfig:
+    return loop.LoopConfig(
+        steps=steps, batch_size=BATCH, micro_batch_size=BATCH, context_length=CONTEXT, lr=1e-3, min_lr=1e-4,
+        warmup_steps=2, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, strategy="ddp",
+        activation_checkpointing=False, compile=False, eval_every=0, eval_batches=0, checkpoint_every=0,
+        log_every=10**9, seed=0, peak_tflops=1.0,
+    )
+
+
+def run_stage(tokens: np.ndarray, steps: int) -> float:
+    rt = dist.Runtime(0, 1, 0, 1, torch.device("cpu"))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = loop.train(make_model(), tokens, tokens, loop_cfg(steps), rt, Path(tmp), track.Tracker(None), dist.StopFlag())
+    return out["tokens_per_s"]
+
+
+def run_bare(tokens: np.ndarray, steps: int) -> float:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    windows = loop.Windows(tokens, CONTEXT, 0)
+    times = []
+    for step in range(steps):
+        x, y = windows.batch(step, 0, BATCH)
+        t0 = time.perf_counter()
+        logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return BATCH * CONTEXT * (steps - 1) / sum(times[1:])
+
+
+def run_trainer(tokens: np.ndarray, steps: int) -> float:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    windows = loop.Windows(tokens, CONTEXT, 0)
+    rows = [windows.batch(step, 0, BATCH)[0] for step in range(steps)]
+    data = [{"input_ids": r, "labels": r} for batch in rows for r in batch]
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times, self.t0 = [], 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t0)
+
+    clock = Clock()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=BATCH, max_steps=steps, learning_rate=1e-3,
+            weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0, warmup_steps=2,
+            lr_scheduler_type="cosine", save_strategy="no", report_to=[], logging_strategy="no",
+            disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, seed=0,
+        )
+        Trainer(model=make_model(), args=args, train_dataset=data, callbacks=[clock]).train()
+    return BATCH * CONTEXT * (len(clock.times) - 1) / sum(clock.times[1:])
+
+
+def matmul_flops(n: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, size=2_000_000).astype(np.uint16)
+    best = {"stage": 0.0, "bare": 0.0, "trainer": 0.0}
+    for _ in range(args.repeats):
+        best["stage"] = max(best["stage"], run_stage(tokens, args.steps))
+        best["bare"] = max(best["bare"], run_bare(tokens, args.steps))
+        best["trainer"] = max(best["trainer"], run_trainer(tokens, args.steps))
+    rate = matmul_flops()
+    fpt = loop.flops_per_token(make_model(), CONTEXT)
+    print(f"model: {sum(p.numel() for p in make_model().parameters()) / 1e6:.1f}M parameters, "
+          f"{fpt / 1e6:.1f} MFLOP/token; batch {BATCH}x{CONTEXT}, {args.steps} steps, best of {args.repeats}, "
+          f"{threads} threads, fp32")
+    for name, label in (("stage", "stage (loop.train)"), ("bare", "bare PyTorch loop"), ("trainer", "HF Trainer")):
+        print(f"{label:<20} {best[name]:>10,.0f} tokens/s")
+    print(f"matmul 2048^3 fp32   {rate / 1e9:>10,.1f} GFLOP/s")
+    print(f"stage / bare loop:      {best['stage'] / best['bare']:.2f}  (goal >= 1.0)")
+    print(f"stage / Trainer:        {best['stage'] / best['trainer']:.2f}  (goal >= 1.05)")
+    print(f"stage FLOP/s / matmul:  {fpt * best['stage'] / rate:.2f}  (goal >= 0.6)")
+
+
+if __name__ == "__main__":
+    main()
