@@ -36,6 +36,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import gc
+import json
 import math
 import re
 import sys
@@ -130,8 +131,14 @@ def check_checkpoint(spec: ModelSpec):
                                    f"(if '{spec.label}' was meant as a params key, it is not one of this stage's)")
         if not (folder / cfg_name).is_file():
             raise config.UserError(f"{where} has no {cfg_name}; it is not a complete checkpoint (save_pretrained)")
-        if not any((folder / w).is_file() for w in weights):
+        found = [w for w in weights if (folder / w).is_file()]
+        if not found:
             raise config.UserError(f"{where} has no weights ({' or '.join(weights)}); the checkpoint is incomplete")
+        if found[0].endswith(".index.json"):  # sharded: every shard the index names must be there
+            shard_files = json.loads((folder / found[0]).read_text())["weight_map"].values()
+            missing = sorted(f for f in set(shard_files) if not (folder / f).is_file())
+            if missing:
+                raise config.UserError(f"{where} lacks {missing[0]} (listed in {found[0]}); the checkpoint is incomplete")
     return AutoConfig.from_pretrained(spec.path)
 
 
@@ -165,8 +172,10 @@ def shard_stream(folder: Path, cfg: Config):
     try:
         meta = shards.read_meta(folder)
         ids = shards.load_split(folder, cfg.split)
-    except (FileNotFoundError, KeyError) as e:
-        raise config.UserError(f"eval_perplexity: {e.args[0]} (eval_perplexity.split / --input)") from None
+    except FileNotFoundError as e:
+        raise config.UserError(f"eval_perplexity: {e.args[0]}; or pass --input FOLDER or --text FILE") from None
+    except KeyError as e:
+        raise config.UserError(f"eval_perplexity: {e.args[0]}; set eval_perplexity.split") from None
     tok = AutoTokenizer.from_pretrained(folder / "tokenizer")
     split = meta["splits"][cfg.split]
     return make_stream(ids, tok, (split["bytes"], split["words"]), cfg, meta["bos_token_id"]), tok
@@ -181,12 +190,12 @@ def text_stream(path: Path, tok, cfg: Config) -> Stream:
 
 def prepare(specs: list[ModelSpec], cfg: Config, shards_dir: Path, text: Path | None) -> dict[str, Stream]:
     """Every check that needs no weights: files, context limits, vocabularies, split length."""
+    model_configs = [check_checkpoint(spec) for spec in specs]
     if text is not None and not text.is_file():
         raise config.UserError(f"eval_perplexity: --text {text} not found")
     shared, shared_tok = shard_stream(shards_dir, cfg) if text is None else (None, None)
     streams = {}
-    for spec in specs:
-        mcfg = check_checkpoint(spec)
+    for spec, mcfg in zip(specs, model_configs):
         limit = getattr(mcfg, "max_position_embeddings", None)
         if limit and max(cfg.contexts) > limit and not cfg.extrapolate:
             raise config.UserError(f"eval_perplexity: context {max(cfg.contexts)} is longer than model '{spec.label}' "

@@ -63,7 +63,7 @@ def assets(tmp_path_factory, mirror):
     lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     lora.save_pretrained(root / "adapter")
 
-    text = full[20000:24000]
+    text = full[20000:23000]
     (root / "eval.txt").write_text(text)
     # The same text as the tokenize stage's shards: line by line, one eos at the end, small shard files.
     out = root / "shards"
@@ -251,10 +251,13 @@ def test_bits_per_byte_and_word_perplexity_by_hand(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def broken(assets):
-    """Checkpoints that must be refused: vocab too small, config without weights, adapter without config."""
+    """Checkpoints that must be refused: vocab too small, config without weights, a sharded checkpoint
+    without one of its shards, an adapter without its config."""
     root = assets / "broken"
     tiny_llama(200).save_pretrained(root / "small_vocab")
     tiny_llama(320).config.save_pretrained(root / "no_weights")
+    tiny_llama(320).save_pretrained(root / "lost_shard", max_shard_size="100KB")
+    (root / "lost_shard" / "model-00002-of-00005.safetensors").unlink()
     (root / "empty_adapter").mkdir()
     return root
 
@@ -267,6 +270,7 @@ def broken(assets):
     (["max_tokens=40"], "the split has 41 tokens, fewer than one window of context 64"),
     (["--models", "tiny=broken/small_vocab"], "tokenizer vocab (320 ids) does not fit model 'tiny' (config.vocab_size 200)"),
     (["--models", "tiny=broken/no_weights"], "broken/no_weights has no weights (model.safetensors"),
+    (["--models", "tiny=broken/lost_shard"], "lacks model-00002-of-00005.safetensors (listed in model.safetensors.index.json)"),
     (["--models", "tiny=nowhere"], "--models tiny: nowhere not found"),
     (["--models", "tiny=model+broken/empty_adapter"], "broken/empty_adapter has no adapter_config.json"),
     (["split=val"], "no split 'val'"),
