@@ -76,8 +76,8 @@ class Config:
     """Start the stream with the bos token (eos when there is none), so the split's first token is scored."""
 
     def __post_init__(self):
-        if not self.contexts or min(self.contexts) < 1:
-            raise ValueError(f"contexts must be a non-empty list of positive ints, got {list(self.contexts)}")
+        if not self.contexts or min(self.contexts) < 1 or list(self.contexts) != sorted(set(self.contexts)):
+            raise ValueError(f"contexts must be a non-empty list of increasing positive ints, got {list(self.contexts)}")
         if self.stride is not None and not 1 <= self.stride <= min(self.contexts):
             raise ValueError(f"stride must be between 1 and the smallest context ({min(self.contexts)}), got "
                              f"{self.stride}; null gives non-overlapping windows")
@@ -268,7 +268,7 @@ def evaluate(model, ids: torch.Tensor, context: int, stride: int, batch_size: in
 def safe_exp(x: float) -> float:
     try:
         return math.exp(x)
-    except OverflowError:
+    except OverflowError:  # a word perplexity of a random model can exceed the float range
         return math.inf
 
 
@@ -323,9 +323,7 @@ def plot(metrics: dict, path: Path) -> None:
         xs = [int(k.removeprefix("ctx")) for k in per_context]
         ax.plot(xs, [m["perplexity"] for m in per_context.values()], marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("token perplexity")
-    ax.set_title("Perplexity vs context length")
+    ax.set(xlabel="context length (tokens)", ylabel="token perplexity", title="Perplexity vs context length")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -368,10 +366,8 @@ def run(specs, streams, cfg: Config, output: Path, rt: dist.Runtime, tracker: tr
                 tracker.log_metrics({f"{spec.label}.{k}": v for k, v in m.items() if k in METRICS}, step=context)
                 tracker.log_metrics({f"{spec.label}.perplexity_pos_{b}": v["perplexity"]
                                      for b, v in m.get("buckets", {}).items()}, step=context)
-            del model
+            del model  # before the next model loads
             gc.collect()
-            if rt.device.type == "cuda":
-                torch.cuda.empty_cache()
         if rt.is_main:
             write_outputs(metrics, tmp)
     if rt.is_main:

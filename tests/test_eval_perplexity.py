@@ -274,6 +274,7 @@ def broken(assets):
     (["--models", "tiny=nowhere"], "--models tiny: nowhere not found"),
     (["--models", "tiny=model+broken/empty_adapter"], "broken/empty_adapter has no adapter_config.json"),
     (["split=val"], "no split 'val'"),
+    (["contexts=[64,32]"], "eval_perplexity.contexts must be a non-empty list of increasing positive ints"),
 ])
 def test_clear_errors_before_any_compute(in_root, broken, args, message):
     base = ["--models", "tiny=model", "--input", "shards", "--output", "out/bad", "contexts=[64]"]
