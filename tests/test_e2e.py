@@ -80,7 +80,7 @@ def mlflow_groups(clone: Path) -> dict[str, list[str]]:
 
 def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     out = sh("snakemake --cores 2", clone)
-    assert snakemake_ran(out) == {"prepare_data", "tokenize", "pretrain", "report"}
+    assert snakemake_ran(out) == {"prepare_data", "tokenize", "pretrain", "eval_perplexity", "report"}
     assert UP_TO_DATE in sh("dvc status", clone), "snakemake commits every stage to dvc.lock"
     results = (clone / "reports/results.md").read_text()
     assert "| result | paper | published | ours | tolerance | pass | stage | git_commit | data_hashes |" in results
@@ -91,15 +91,15 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
 
     # A params change re-runs tokenize and what follows, never prepare_data.
     set_vocab(clone, 600)
-    assert snakemake_ran(sh("snakemake --cores 2", clone)) == {"tokenize", "pretrain", "report"}
+    assert snakemake_ran(sh("snakemake --cores 2", clone)) == {"tokenize", "pretrain", "eval_perplexity", "report"}
     assert UP_TO_DATE in sh("dvc status", clone)
     set_vocab(clone, 640)
-    assert dvc_ran(sh("dvc repro", clone)) == {"tokenize", "pretrain", "report"}
+    assert dvc_ran(sh("dvc repro", clone)) == {"tokenize", "pretrain", "eval_perplexity@pretrain", "report"}
     assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone), "dvc repro results count for snakemake"
 
     # A deleted output re-runs its stage and its dependents only.
     sh("rm -rf data/tokenize", clone)
-    assert snakemake_ran(sh("snakemake --cores 2", clone)) == {"tokenize", "pretrain", "report"}
+    assert snakemake_ran(sh("snakemake --cores 2", clone)) == {"tokenize", "pretrain", "eval_perplexity", "report"}
     assert UP_TO_DATE in sh("dvc status", clone)
     sh("rm -rf data/tokenize", clone)
     out = sh("dvc repro", clone)
@@ -116,7 +116,8 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     # One MLflow group per invocation that ran stages: three from snakemake, one from dvc repro.
     groups = mlflow_groups(clone)
     by_tool = {tool: sorted(str(v) for k, v in groups.items() if k.startswith(tool)) for tool in ("smk-", "dvc-")}
-    downstream = ["pretrain", "report", "tokenize"]
-    assert by_tool["smk-"] == sorted(map(str, [["prepare_data", *downstream], downstream, downstream]))
+    downstream = ["eval_perplexity", "pretrain", "report", "tokenize"]
+    full = sorted(["prepare_data", *downstream])
+    assert by_tool["smk-"] == sorted(map(str, [full, downstream, downstream]))
     assert by_tool["dvc-"] == [str(downstream)]
     assert len(groups) == 4

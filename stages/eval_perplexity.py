@@ -1,0 +1,408 @@
+"""eval_perplexity: sliding-window perplexity of causal LMs at several context lengths.
+
+Evaluates Hugging Face checkpoints (and base + PEFT adapter pairs) on one split of the tokenize
+stage's shards (`--input`, format in stages/common/shards.py) or on a text file tokenized with each
+model's own tokenizer (`--text`). Writes to `--output`:
+    metrics.json                        per model and context: nll, perplexity, bits_per_byte,
+                                        byte_perplexity, word_perplexity, tokens, tokens_per_s,
+                                        and per-position buckets when asked
+    table.csv                           the same numbers in long format (model, context, metric, value)
+    plots/perplexity_vs_context.png     token perplexity against context length, one line per model
+
+Windows: the model reads ids[b : b + context] and predicts ids[b + 1 : b + context + 1]; window k
+starts at b = k * stride, and only targets no earlier window scored are counted. Every token but the
+first of the stream is scored exactly once (`stride == context`: non-overlapping windows); after the
+first window each scored token sees at least `context - stride + 1` tokens. The last window is
+shorter when the stream ends. The mean is token-weighted, accumulated in float64. (The Hugging Face
+perplexity guide feeds the target inside the window, so with stride == context it skips the first
+token of every window; here no token is skipped.) Byte and word figures divide the total NLL by the
+split's UTF-8 bytes and whitespace-separated words, as lm-evaluation-harness defines them.
+
+Models: `--models label=path ...`; a PEFT adapter on a base model is `label=base_dir+adapter_dir`
+(loaded as `PeftModel.from_pretrained(base, adapter_dir)`); without `label=` the label is the last
+folder name. Labels must differ from this stage's params keys.
+
+Run:
+    python -m stages.eval_perplexity --models pretrain=data/pretrain/model --input data/tokenize \\
+        --output data/eval_perplexity/pretrain [key=value ...]
+    python -m stages.eval_perplexity --models base=ckpt/base lora=ckpt/base+ckpt/adapter \\
+        --text notes.txt --output data/eval_perplexity/notes contexts=[256,512] extrapolate=true
+    torchrun --nproc-per-node 2 -m stages.eval_perplexity --models pretrain=data/pretrain/model \\
+        --input data/tokenize --output data/eval_perplexity/pretrain
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import gc
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from stages.common import ckpt, config, dist, shards, track
+
+STAGE = "eval_perplexity"
+MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+METRICS = ("nll", "perplexity", "bits_per_byte", "byte_perplexity", "word_perplexity", "tokens", "tokens_per_s")
+
+
+@dataclass(frozen=True)
+class Config:
+    contexts: tuple[int, ...]
+    """Context lengths (tokens the model reads per window), evaluated one after another."""
+    stride: int | None
+    """Tokens between window starts (at most the smallest context); null: each context's own length."""
+    batch_size: int
+    """Windows per forward pass."""
+    split: str
+    """Split of the token shards to evaluate (ignored with --text)."""
+    extrapolate: bool
+    """Allow contexts longer than the model's config.max_position_embeddings."""
+    position_buckets: tuple[int, ...]
+    """Edges of per-position buckets: [16, 32] reports positions 0-16, 16-32, 32-context ([] = none)."""
+    max_tokens: int
+    """Evaluate at most this many tokens from the start of the split (0 = all)."""
+    prepend_bos: bool
+    """Start the stream with the bos token (eos when there is none), so the split's first token is scored."""
+
+    def __post_init__(self):
+        if not self.contexts or min(self.contexts) < 1 or list(self.contexts) != sorted(set(self.contexts)):
+            raise ValueError(f"contexts must be a non-empty list of increasing positive ints, got {list(self.contexts)}")
+        if self.stride is not None and not 1 <= self.stride <= min(self.contexts):
+            raise ValueError(f"stride must be between 1 and the smallest context ({min(self.contexts)}), got "
+                             f"{self.stride}; null gives non-overlapping windows")
+        if self.batch_size < 1 or self.max_tokens < 0:
+            raise ValueError("batch_size must be >= 1 and max_tokens >= 0 (0 = the whole split)")
+        edges = self.position_buckets
+        if any(e < 1 for e in edges) or list(edges) != sorted(set(edges)):
+            raise ValueError(f"position_buckets must be increasing positive ints, got {list(edges)}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    label: str
+    path: Path
+    adapter: Path | None
+
+
+@dataclass(frozen=True)
+class Stream:
+    ids: torch.Tensor  # (N,) int64 on the CPU
+    bytes: int
+    words: int
+
+
+def parse_models(items: list[str]) -> list[ModelSpec]:
+    specs = []
+    for item in items:
+        label, _, where = item.partition("=") if "=" in item else ("", "", item)
+        base, _, adapter = where.partition("+")
+        label = label or Path(adapter or base).name
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", label):
+            raise config.UserError(f"eval_perplexity: model label {label!r} must be letters, digits, '_', '.', '-'")
+        specs.append(ModelSpec(label, Path(base), Path(adapter) if adapter else None))
+    labels = [s.label for s in specs]
+    if not specs or len(set(labels)) != len(labels):
+        raise config.UserError(f"eval_perplexity: pass --models label=path ... with distinct labels, got {labels}")
+    return specs
+
+
+def check_checkpoint(spec: ModelSpec):
+    """The model's config, after checking that every file it needs is there (no weights are read)."""
+    from transformers import AutoConfig
+
+    for folder, cfg_name, weights in ((spec.path, "config.json", MODEL_WEIGHTS),
+                                      (spec.adapter, "adapter_config.json", ADAPTER_WEIGHTS)):
+        if folder is None:
+            continue
+        where = f"eval_perplexity: --models {spec.label}: {folder}"
+        if not folder.is_dir():
+            raise config.UserError(f"{where} not found; pass an existing Hugging Face checkpoint folder "
+                                   f"(if '{spec.label}' was meant as a params key, it is not one of this stage's)")
+        if not (folder / cfg_name).is_file():
+            raise config.UserError(f"{where} has no {cfg_name}; it is not a complete checkpoint (save_pretrained)")
+        found = [w for w in weights if (folder / w).is_file()]
+        if not found:
+            raise config.UserError(f"{where} has no weights ({' or '.join(weights)}); the checkpoint is incomplete")
+        if found[0].endswith(".index.json"):  # sharded: every shard the index names must be there
+            shard_files = json.loads((folder / found[0]).read_text())["weight_map"].values()
+            missing = sorted(f for f in set(shard_files) if not (folder / f).is_file())
+            if missing:
+                raise config.UserError(f"{where} lacks {missing[0]} (listed in {found[0]}); the checkpoint is incomplete")
+    return AutoConfig.from_pretrained(spec.path)
+
+
+def model_tokenizer(spec: ModelSpec):
+    """The tokenizer saved beside the adapter or the model, or None."""
+    from transformers import AutoTokenizer
+
+    for folder in (spec.adapter, spec.path):
+        if folder and ((folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()):
+            return AutoTokenizer.from_pretrained(folder)
+    return None
+
+
+def make_stream(ids: np.ndarray, tok, counts: tuple[int, int] | None, cfg: Config, bos: int | None) -> Stream:
+    """Cap the ids at max_tokens (bytes and words then come from the decoded prefix) and prepend bos."""
+    if cfg.max_tokens and len(ids) > cfg.max_tokens:
+        ids, counts = ids[: cfg.max_tokens], None
+    if counts is None:
+        text = tok.decode(ids.tolist(), skip_special_tokens=True)
+        counts = (len(text.encode("utf-8")), len(text.split()))
+    if cfg.prepend_bos:
+        if bos is None:
+            raise config.UserError("eval_perplexity: the tokenizer has no bos or eos token; set eval_perplexity.prepend_bos: false")
+        ids = np.concatenate([[bos], ids])
+    return Stream(torch.from_numpy(np.asarray(ids, dtype=np.int64)), *counts)
+
+
+def shard_stream(folder: Path, cfg: Config):
+    from transformers import AutoTokenizer
+
+    try:
+        meta = shards.read_meta(folder)
+        ids = shards.load_split(folder, cfg.split)
+    except FileNotFoundError as e:
+        raise config.UserError(f"eval_perplexity: {e.args[0]}; or pass --input FOLDER or --text FILE") from None
+    except KeyError as e:
+        raise config.UserError(f"eval_perplexity: {e.args[0]}; set eval_perplexity.split") from None
+    tok = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    split = meta["splits"][cfg.split]
+    return make_stream(ids, tok, (split["bytes"], split["words"]), cfg, meta["bos_token_id"]), tok
+
+
+def text_stream(path: Path, tok, cfg: Config) -> Stream:
+    text = path.read_text(encoding="utf-8")
+    ids = np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    return make_stream(ids, tok, (len(text.encode("utf-8")), len(text.split())), cfg, bos)
+
+
+def prepare(specs: list[ModelSpec], cfg: Config, shards_dir: Path, text: Path | None) -> dict[str, Stream]:
+    """Every check that needs no weights: files, context limits, vocabularies, split length."""
+    model_configs = [check_checkpoint(spec) for spec in specs]
+    if text is not None and not text.is_file():
+        raise config.UserError(f"eval_perplexity: --text {text} not found")
+    shared, shared_tok = shard_stream(shards_dir, cfg) if text is None else (None, None)
+    streams = {}
+    for spec, mcfg in zip(specs, model_configs):
+        limit = getattr(mcfg, "max_position_embeddings", None)
+        if limit and max(cfg.contexts) > limit and not cfg.extrapolate:
+            raise config.UserError(f"eval_perplexity: context {max(cfg.contexts)} is longer than model '{spec.label}' "
+                                   f"was configured for ({limit} positions); set eval_perplexity.extrapolate: true "
+                                   f"to evaluate beyond it, or lower eval_perplexity.contexts")
+        tok = model_tokenizer(spec)
+        if text is not None and tok is None:
+            raise config.UserError(f"eval_perplexity: --text needs the model's tokenizer; none in {spec.adapter or spec.path}")
+        if shared_tok is not None and tok is not None and tok.get_vocab() != shared_tok.get_vocab():
+            raise config.UserError(f"eval_perplexity: model '{spec.label}' has a different tokenizer from "
+                                   f"{shards_dir}/tokenizer; evaluate it with --text or its own shards")
+        stream = shared if text is None else text_stream(text, tok, cfg)
+        vocab = len(shared_tok if text is None else tok)
+        if vocab > mcfg.vocab_size or int(stream.ids.max()) >= mcfg.vocab_size:
+            raise config.UserError(f"eval_perplexity: tokenizer vocab ({vocab} ids) does not fit model '{spec.label}' "
+                                   f"(config.vocab_size {mcfg.vocab_size}); use the tokenizer the model was trained with")
+        if len(stream.ids) <= max(cfg.contexts):
+            raise config.UserError(f"eval_perplexity: the split has {len(stream.ids)} tokens, fewer than one window of "
+                                   f"context {max(cfg.contexts)} plus its next token; lower eval_perplexity.contexts, "
+                                   f"raise eval_perplexity.max_tokens (0 = all) or use a longer split")
+        streams[spec.label] = stream
+    return streams
+
+
+def plan_windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, length, first) per window: the model reads ids[begin : begin + length] and its
+    predictions at positions >= first are scored (earlier ones were scored by the previous window)."""
+    windows, begin, scored_to = [], 0, 0  # scored_to: highest target index scored so far
+    while True:
+        end = min(begin + context, n_tokens - 1)
+        windows.append((begin, end - begin, scored_to - begin))
+        if end == n_tokens - 1:
+            return windows
+        scored_to, begin = end, begin + stride
+
+
+def batches(windows: list, size: int):
+    """Runs of at most `size` consecutive windows of equal length (only the last window is shorter)."""
+    batch = []
+    for w in windows:
+        if batch and (len(batch) == size or w[1] != batch[0][1]):
+            yield batch
+            batch = []
+        batch.append(w)
+    if batch:
+        yield batch
+
+
+@torch.inference_mode()
+def evaluate(model, ids: torch.Tensor, context: int, stride: int, batch_size: int, rt: dist.Runtime) -> torch.Tensor:
+    """(2, context) float64: NLL sum and scored-token count per prediction position, summed over ranks."""
+    plan = plan_windows(len(ids), context, stride)
+    mine = plan[rt.rank * len(plan) // rt.world_size:(rt.rank + 1) * len(plan) // rt.world_size]
+    sums = torch.zeros(2, context, dtype=torch.float64, device=rt.device)
+    for batch in batches(mine, batch_size):
+        length, first = batch[0][1], min(w[2] for w in batch)
+        keep = length - first  # only these positions' logits are needed
+        rows = torch.tensor([w[0] for w in batch])[:, None] + torch.arange(length + 1)
+        tokens = ids[rows].to(rt.device, non_blocking=True)  # (B, length + 1)
+        logits = model(input_ids=tokens[:, :-1], logits_to_keep=keep, use_cache=False).logits  # (B, keep, V)
+        nll = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, first + 1:].flatten(), reduction="none")
+        nll = nll.view(len(batch), keep).double()
+        pos = torch.arange(first, length, device=rt.device)
+        scored = pos[None, :] >= torch.tensor([w[2] for w in batch], device=rt.device)[:, None]  # (B, keep)
+        sums[0, first:length] += torch.where(scored, nll, 0.0).sum(0)
+        sums[1, first:length] += scored.sum(0)
+    return dist.all_reduce_sum(sums)
+
+
+def safe_exp(x: float) -> float:
+    try:
+        return math.exp(x)
+    except OverflowError:  # a word perplexity of a random model can exceed the float range
+        return math.inf
+
+
+def summarize(nll_sum: float, tokens: int, n_bytes: int, n_words: int) -> dict:
+    """Token, byte and word figures from the total NLL (nats), as lm-evaluation-harness defines them."""
+    return {"nll": nll_sum / tokens, "perplexity": safe_exp(nll_sum / tokens),
+            "bits_per_byte": nll_sum / (n_bytes * math.log(2)), "byte_perplexity": safe_exp(nll_sum / n_bytes),
+            "word_perplexity": safe_exp(nll_sum / n_words) if n_words else math.nan, "tokens": tokens}
+
+
+def position_buckets(sums: torch.Tensor, edges: tuple[int, ...]) -> dict:
+    """Token-weighted NLL and perplexity of predictions made at positions [lo, hi) of the window."""
+    context = sums.shape[1]
+    bounds = [0, *[e for e in edges if e < context], context]
+    out = {}
+    for lo, hi in zip(bounds, bounds[1:]):
+        nll, n = sums[0, lo:hi].sum().item(), int(sums[1, lo:hi].sum().item())
+        if n:
+            out[f"{lo}-{hi}"] = {"nll": nll / n, "perplexity": safe_exp(nll / n), "tokens": n}
+    return out
+
+
+def load_model(spec: ModelSpec, rt: dist.Runtime):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dist.compute_dtype(rt.device))
+    if spec.adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, spec.adapter)
+    return model.to(rt.device).eval()
+
+
+def table_rows(metrics: dict) -> list[tuple]:
+    rows = []
+    for label, per_context in metrics["models"].items():
+        for key, m in per_context.items():
+            context = int(key.removeprefix("ctx"))
+            rows += [(label, context, name, m[name]) for name in METRICS]
+            rows += [(label, context, f"perplexity_pos_{b}", v["perplexity"]) for b, v in m.get("buckets", {}).items()]
+    return rows
+
+
+def plot(metrics: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, per_context in metrics["models"].items():
+        xs = [int(k.removeprefix("ctx")) for k in per_context]
+        ax.plot(xs, [m["perplexity"] for m in per_context.values()], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="context length (tokens)", ylabel="token perplexity", title="Perplexity vs context length")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(metrics: dict, folder: Path) -> None:
+    ckpt.write_json(folder / "metrics.json", metrics)
+    with open(folder / "table.csv", "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(("model", "context", "metric", "value"))
+        writer.writerows(table_rows(metrics))
+    plot(metrics, folder / "plots" / "perplexity_vs_context.png")
+
+
+def run(specs, streams, cfg: Config, output: Path, rt: dist.Runtime, tracker: track.Tracker) -> dict:
+    first = next(iter(streams.values()))
+    metrics = {"bytes": first.bytes, "words": first.words, "models": {}}
+    with ckpt.atomic_dir(output, rt) as tmp:
+        for spec in specs:
+            model, stream = load_model(spec, rt), streams[spec.label]
+            results = metrics["models"][spec.label] = {}
+            for context in cfg.contexts:
+                stride = cfg.stride or context
+                dist.barrier()
+                t0 = time.perf_counter()
+                sums = evaluate(model, stream.ids, context, stride, cfg.batch_size, rt).cpu()
+                seconds = time.perf_counter() - t0
+                tokens = int(sums[1].sum().item())
+                m = {**summarize(sums[0].sum().item(), tokens, stream.bytes, stream.words),
+                     "tokens_per_s": tokens / max(seconds, 1e-9), "context": context, "stride": stride}
+                if cfg.position_buckets:
+                    m["buckets"] = position_buckets(sums, cfg.position_buckets)
+                results[f"ctx{context}"] = m
+                dist.print0(f"eval_perplexity: {spec.label} context {context} stride {stride}: perplexity "
+                            f"{m['perplexity']:.4f}, {m['bits_per_byte']:.4f} bits/byte, {tokens:,} tokens, "
+                            f"{m['tokens_per_s']:,.0f} tokens/s", rt=rt)
+                tracker.log_metrics({f"{spec.label}.{k}": v for k, v in m.items() if k in METRICS}, step=context)
+                tracker.log_metrics({f"{spec.label}.perplexity_pos_{b}": v["perplexity"]
+                                     for b, v in m.get("buckets", {}).items()}, step=context)
+            del model  # before the next model loads
+            gc.collect()
+        if rt.is_main:
+            write_outputs(metrics, tmp)
+    if rt.is_main:
+        for name in ("metrics.json", "table.csv", "plots"):
+            tracker.log_artifact(output / name, "plots" if name == "plots" else None)
+    return metrics
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, overrides = config.parse_cli(
+        __doc__, {"models": [], "input": "data/tokenize", "text": "", "output": ""}, argv)
+    # `label=path` model specs look like overrides to the shared parser; params keys tell them apart.
+    keys = {f.name for f in dataclasses.fields(Config)}
+    is_key = lambda item: item.partition("=")[0].removeprefix(f"{STAGE}.") in keys  # noqa: E731
+    model_items = sorted([m for m in args.models + overrides if not is_key(m)], key=argv.index)
+    cfg = config.load(Config, STAGE, args.params, [o for o in overrides if is_key(o)])
+    specs = parse_models(model_items)
+    if not args.output and len(specs) > 1:
+        raise config.UserError("eval_perplexity: pass --output when evaluating several models")
+    output = Path(args.output or f"data/{STAGE}/{specs[0].label}")
+    text = Path(args.text) if args.text else None
+    streams = prepare(specs, cfg, Path(args.input), text)
+    rt = dist.init()
+    try:
+        inputs = [p for s in specs for p in (s.path, s.adapter) if p] + [text or Path(args.input)]
+        inputs_hash = ckpt.hash_files(inputs) if rt.is_main else ""
+        tags = {"models": " ".join(model_items), "data": str(text or f"{args.input}:{cfg.split}")}
+        with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags=tags) as tracker:
+            metrics = run(specs, streams, cfg, output, rt, tracker)
+        dist.print0(f"eval_perplexity: {len(specs)} model(s) x {len(cfg.contexts)} context(s) -> {output}", rt=rt)
+        return metrics
+    finally:
+        dist.teardown()
+
+
+if __name__ == "__main__":
+    config.run(main)
