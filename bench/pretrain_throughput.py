@@ -5,8 +5,9 @@
 Same Llama model (hidden 256, 4 layers, 8 heads, MLP 688, vocab 4096: 5.3M parameters), same random
 token data, batch 8 x 256, AdamW, fp32, one process on all cores, in one run; the runs alternate and
 each reports its best. Figures printed:
-  stage / bare loop     stages.common.loop.train vs forward + backward + AdamW step and nothing else
-  stage / Trainer       vs transformers.Trainer with the same optimizer, schedule and clipping
+  stage / bare loop     stages.common.loop.train vs fetch a batch, forward, backward, fused AdamW step,
+                        nothing else
+  stage / Trainer       vs transformers.Trainer with the same optimizer (fused AdamW), schedule, clipping
   stage FLOP/s / matmul model FLOPs per token x tokens/s, over a 2048^3 fp32 matmul's FLOP/s measured
                         here, now (model FLOPs per token = 6 x non-embedding parameters, output head
                         included, + 12 x layers x context x hidden)
@@ -62,12 +63,12 @@ def run_stage(tokens: np.ndarray, steps: int) -> float:
 
 def run_bare(tokens: np.ndarray, steps: int) -> float:
     model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     windows = loop.Windows(tokens, CONTEXT, 0)
     times = []
     for step in range(steps):
-        x, y = windows.batch(step, 0, BATCH)
         t0 = time.perf_counter()
+        x, y = windows.batch(step, 0, BATCH)
         logits = model(input_ids=x).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
         loss.backward()

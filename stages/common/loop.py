@@ -131,7 +131,8 @@ def make_optimizer(model, cfg: LoopConfig):
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=True)
+    # The fused kernel (CPU and CUDA) is the fastest AdamW; it is also what transformers.Trainer uses.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
 def save_checkpoint(folder: Path, step: int, model, optimizer, history: list, rt: dist.Runtime, keep: int = 2) -> Path:
