@@ -6,11 +6,10 @@ epoch with the best validation accuracy (ties: lower validation loss) and report
 Under torchrun the (model, seed) runs are dealt round-robin to the ranks and gathered; every process
 uses `threads` threads and seeds its own run, so a seed gives the same result for any world size.
 
-The input features are bag-of-words rows, ~1% non-zero. They are kept as a sparse CSR matrix: input
-dropout draws one random number per stored entry (zeros stay zero, so this is dense dropout's
-distribution, as in the GCN authors' own code), and the first layer multiplies sparsely in both
-passes. The layers are PyG's GCNConv/GATConv with the first `lin` swapped for a sparse-aware one that
-keeps the same parameters, so a saved state_dict loads into a stock PyG model of the same shape.
+The models (stages/models/gnn.py) are PyG's GCNConv/GATConv layers fed the ~1%-dense bag-of-words
+features as a sparse CSR matrix: dropout and the first layer touch only the non-zeros (the same
+distribution and results as dense, several times faster), and the graph's edges are ordered by
+destination. A saved state_dict loads into the stock PyG layers of the same shape.
 
 `minibatch=true` trains each seed with all ranks together instead: DistributedDataParallel over
 mini-batches from PyG's NeighborLoader where pyg-lib or torch-sparse is installed (`loader=auto`),
@@ -19,7 +18,9 @@ runs on the whole graph.
 
 Reads data/prepare_data/planetoid/<Name>/raw/ (copied to a private folder: PyG writes processed/ next
 to raw/). Writes data/train_gnn/: metrics.json, results.json (report rows), seeds.json, plots/,
-models/<model>-seed<N>.pt (load: `build_model(ckpt["model"], **ckpt["kwargs"]).load_state_dict(ckpt["state_dict"])`).
+models/<model>-seed<N>.pt, loaded with stages.models.gnn:
+    ckpt = torch.load(path, weights_only=False)
+    model = build_model(ckpt["model"], **ckpt["kwargs"]); model.load_state_dict(ckpt["state_dict"])
 
 Run:
     python -m stages.train_gnn --input data/prepare_data --output data/train_gnn [key=value ...]
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.common import ckpt, config, dist, sources, track
+from stages.models.gnn import build_model
 
 STAGE = "train_gnn"
 DATASETS = sources.PLANETOID_NAMES
@@ -159,99 +161,6 @@ def neighbor_loader_available() -> bool:
 
 
 # -------------------------------------------------------------------------------------------- model
-def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """F.dropout; on a sparse CSR tensor only the stored entries are dropped (same distribution, since
-    a dropped zero stays zero), keeping the index tensors so SparseInputLinear can reuse its layout."""
-    if x.layout != torch.sparse_csr:
-        return F.dropout(x, p, training)
-    if not training or p == 0:
-        return x
-    return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), F.dropout(x.values(), p, True), x.size(),
-                                   check_invariants=False)
-
-
-class _SparseMatmul(torch.autograd.Function):
-    """x @ weight.T for a constant sparse CSR x; backward multiplies by x.T, also CSR (autograd's own
-    backward converts x's layout on every step, ~20x the cost of the forward here)."""
-
-    @staticmethod
-    def forward(ctx, weight, x, x_t):
-        ctx.x_t = x_t
-        return x @ weight.t()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (ctx.x_t @ grad).t(), None, None
-
-
-class SparseInputLinear(torch.nn.Module):
-    """Stands in for the first conv's `lin` with the same parameters (so state_dicts match stock PyG
-    layers): dense inputs go through F.linear, sparse CSR inputs through _SparseMatmul."""
-
-    def __init__(self, lin: torch.nn.Module):
-        super().__init__()
-        self.weight, self.bias = lin.weight, lin.bias
-        self._layout = None  # (col_indices, permutation to column order, crow and col of x.T)
-
-    def reset_parameters(self):
-        torch.nn.init.xavier_uniform_(self.weight)  # PyG's glorot
-
-    def transpose(self, x: torch.Tensor) -> torch.Tensor:
-        cols = x.col_indices()
-        if self._layout is None or self._layout[0].data_ptr() != cols.data_ptr() or len(self._layout[0]) != len(cols):
-            crow = x.crow_indices()
-            rows = torch.repeat_interleave(torch.arange(x.size(0), device=cols.device), crow[1:] - crow[:-1])
-            perm = torch.argsort(cols * x.size(0) + rows)
-            crow_t = torch.zeros(x.size(1) + 1, dtype=crow.dtype, device=crow.device)
-            crow_t[1:] = torch.cumsum(torch.bincount(cols, minlength=x.size(1)), 0)
-            self._layout = (cols, perm, crow_t, rows[perm])
-        _, perm, crow_t, col_t = self._layout
-        return torch.sparse_csr_tensor(crow_t, col_t, x.values()[perm], (x.size(1), x.size(0)),
-                                       check_invariants=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.layout != torch.sparse_csr:
-            return F.linear(x, self.weight, self.bias)
-        out = _SparseMatmul.apply(self.weight, x, self.transpose(x))
-        return out if self.bias is None else out + self.bias
-
-
-class GCN(torch.nn.Module):
-    """Two GCNConv layers: dropout, conv, ReLU, dropout, conv (Kipf & Welling 2017)."""
-
-    def __init__(self, in_channels: int, hidden: int, out_channels: int, dropout: float, cached: bool = True):
-        super().__init__()
-        from torch_geometric.nn import GCNConv
-
-        self.dropout = dropout
-        self.conv1 = GCNConv(in_channels, hidden, cached=cached)
-        self.conv2 = GCNConv(hidden, out_channels, cached=cached)
-        self.conv1.lin = SparseInputLinear(self.conv1.lin)
-
-    def forward(self, x, edge_index):
-        x = self.conv1(dropout(x, self.dropout, self.training), edge_index).relu()
-        return self.conv2(dropout(x, self.dropout, self.training), edge_index)
-
-
-class GAT(torch.nn.Module):
-    """Two GATConv layers: `heads` concatenated heads + ELU, then `output_heads` averaged heads
-    (Velickovic et al. 2018); dropout on each layer's input and on the attention coefficients."""
-
-    def __init__(self, in_channels: int, hidden: int, out_channels: int, dropout: float, heads: int,
-                 output_heads: int):
-        super().__init__()
-        from torch_geometric.nn import GATConv
-
-        self.dropout = dropout
-        self.conv1 = GATConv(in_channels, hidden // heads, heads=heads, dropout=dropout)
-        self.conv2 = GATConv(hidden, out_channels, heads=output_heads, concat=False, dropout=dropout)
-        self.conv1.lin = SparseInputLinear(self.conv1.lin)
-
-    def forward(self, x, edge_index):
-        x = F.elu(self.conv1(dropout(x, self.dropout, self.training), edge_index))
-        return self.conv2(dropout(x, self.dropout, self.training), edge_index)
-
-
 def model_kwargs(kind: str, cfg: Config, num_features: int, num_classes: int) -> dict:
     if kind == "gcn":
         return dict(in_channels=num_features, hidden=cfg.gcn_hidden, out_channels=num_classes,
@@ -259,10 +168,6 @@ def model_kwargs(kind: str, cfg: Config, num_features: int, num_classes: int) ->
     output_heads = cfg.gat_output_heads or (8 if cfg.dataset == "PubMed" else 1)
     return dict(in_channels=num_features, hidden=cfg.gat_hidden, out_channels=num_classes, dropout=cfg.gat_dropout,
                 heads=cfg.gat_heads, output_heads=output_heads)
-
-
-def build_model(kind: str, **kwargs) -> torch.nn.Module:
-    return {"gcn": GCN, "gat": GAT}[kind](**kwargs)
 
 
 def make_optimizer(kind: str, model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from stages import train_gnn
+from stages.models import gnn
 from stages.common import dist
 
 
@@ -36,7 +37,7 @@ def main(root: str, out: str) -> None:
     batch = data.subgraph(nodes)
     x, index = batch.x.to_sparse_csr(), batch.train_mask.nonzero().view(-1)
     torch.manual_seed(0)
-    model = train_gnn.build_model("gcn", in_channels=data.num_features, hidden=16, out_channels=7, dropout=0.5,
+    model = gnn.build_model("gcn", in_channels=data.num_features, hidden=16, out_channels=7, dropout=0.5,
                                   cached=False)
     alone, averaged = copy.deepcopy(model), copy.deepcopy(model)
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from stages import train_gnn
+from stages.models import gnn
 from stages.common import config
 
 from conftest import MIRROR, ROOT, run_stage, stage_env
@@ -60,7 +61,7 @@ def test_outputs_load_into_stock_pyg_layers_and_reproduce_test_accuracy(trained)
     test = data.test_mask.nonzero().view(-1)
     for row in seeds_of(root):
         saved = torch.load(out / "models" / f"{row['model']}-seed{row['seed']}.pt", weights_only=False)
-        model = train_gnn.build_model(saved["model"], **saved["kwargs"])
+        model = gnn.build_model(saved["model"], **saved["kwargs"])
         model.load_state_dict(saved["state_dict"])
         model.eval()
         logits = model(data.x.to_sparse_csr(), data.edge_index)
@@ -132,7 +133,7 @@ def test_minibatch_ddp_trains_on_cora(prepared, tmp_path):
 def test_sparse_input_matches_dense_in_both_passes():
     torch.manual_seed(0)
     dense = torch.rand(50, 30) * (torch.rand(50, 30) < 0.1)
-    lin = train_gnn.SparseInputLinear(torch.nn.Linear(30, 4, bias=True))
+    lin = gnn.SparseInputLinear(torch.nn.Linear(30, 4, bias=True))
     sparse = dense.to_sparse_csr()
     for _ in range(2):  # the second call reuses the cached transposed layout
         lin.weight.grad = None
@@ -141,11 +142,11 @@ def test_sparse_input_matches_dense_in_both_passes():
         lin.weight.grad = None
         F.linear(dense, lin.weight, lin.bias).square().sum().backward()
         torch.testing.assert_close(grad, lin.weight.grad)
-    dropped = train_gnn.dropout(sparse, 0.5, training=True).to_dense()
+    dropped = gnn.dropout(sparse, 0.5, training=True).to_dense()
     kept = dropped != 0
     assert (kept <= (dense != 0)).all() and 0 < kept.sum() < (dense != 0).sum()
     torch.testing.assert_close(dropped[kept], 2 * dense[kept])
-    assert train_gnn.dropout(sparse, 0.5, training=False) is sparse
+    assert gnn.dropout(sparse, 0.5, training=False) is sparse
 
 
 @pytest.mark.parametrize("overrides, message", [
