@@ -5,7 +5,7 @@
 Reads Cora's raw files from `--input` (prepare_data's output) or from PIPELINE_DATA_MIRROR. For each
 seed and model it alternates, so that load on the machine falls on both alike:
   stage     stages.train_gnn.train_seed with the params.yaml hyperparameters: sparse input features,
-            edges ordered by destination, one evaluation pass per epoch
+            edges ordered by destination, fused Adam, one evaluation pass per epoch
   baseline  the loop of PyG's examples/gcn.py and gat.py: dense features and dropout, `train()` then
             `test()` every epoch, the test accuracy of the best validation epoch kept
 Both train the papers' models for the same epochs and select by validation accuracy. Prints time per
@@ -71,7 +71,7 @@ def plain_run(kind: str, data, cfg: train_gnn.Config, seed: int) -> tuple[float,
     kwargs.pop("cached", None)
     torch.manual_seed(seed)
     model = (PlainGCN if kind == "gcn" else PlainGAT)(**kwargs)
-    optimizer = train_gnn.make_optimizer(kind, model, cfg)
+    optimizer = train_gnn.make_optimizer(kind, model, cfg, fused=False)  # the default Adam
 
     def train():
         model.train()
