@@ -37,6 +37,7 @@ bench: $(STAMP)
 	python bench/tokenize_throughput.py
 	python bench/pretrain_throughput.py
 	python bench/eval_throughput.py
+	python bench/gnn_epoch.py
 
 # The MLflow UI on 127.0.0.1 only, over the embedded store that stages write (mlflow.db, mlartifacts/).
 mlflow-ui: $(STAMP)

@@ -80,16 +80,18 @@ def mlflow_groups(clone: Path) -> dict[str, list[str]]:
 
 def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     out = sh("snakemake --cores 2", clone)
-    assert snakemake_ran(out) == {"prepare_data", "tokenize", "pretrain", "eval_perplexity", "report"}
+    assert snakemake_ran(out) == {"prepare_data", "tokenize", "pretrain", "eval_perplexity", "train_gnn", "report"}
     assert UP_TO_DATE in sh("dvc status", clone), "snakemake commits every stage to dvc.lock"
     results = (clone / "reports/results.md").read_text()
     assert "| result | paper | published | ours | tolerance | pass | stage | git_commit | data_hashes |" in results
     assert "### tokenize" in results and (clone / "reports/results.json").is_file()
+    assert "| GCN test accuracy on Cora (%), mean of 2 seeds | Kipf & Welling 2017 (GCN), Table 2 | 81.5 |" in results
+    assert "data/train_gnn/plots/accuracy.png" in results
 
     assert "Nothing to be done" in sh("snakemake --cores 2", clone)
     assert dvc_ran(sh("dvc repro", clone)) == set()
 
-    # A params change re-runs tokenize and what follows, never prepare_data.
+    # A params change re-runs tokenize and what follows, never prepare_data or train_gnn (no path from tokenize).
     set_vocab(clone, 600)
     assert snakemake_ran(sh("snakemake --cores 2", clone)) == {"tokenize", "pretrain", "eval_perplexity", "report"}
     assert UP_TO_DATE in sh("dvc status", clone)
@@ -117,7 +119,7 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     groups = mlflow_groups(clone)
     by_tool = {tool: sorted(str(v) for k, v in groups.items() if k.startswith(tool)) for tool in ("smk-", "dvc-")}
     downstream = ["eval_perplexity", "pretrain", "report", "tokenize"]
-    full = sorted(["prepare_data", *downstream])
+    full = sorted(["prepare_data", "train_gnn", *downstream])
     assert by_tool["smk-"] == sorted(map(str, [full, downstream, downstream]))
     assert by_tool["dvc-"] == [str(downstream)]
     assert len(groups) == 4

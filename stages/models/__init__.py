@@ -1,0 +1,1 @@
+"""Model-building code shared by stages, benchmarks and tests."""
