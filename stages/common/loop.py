@@ -166,7 +166,7 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
 
 def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy; y is x shifted by one, (B, T) each. Logits in fp32."""
-    logits = model(input_ids=x).logits  # (B, T, V)
+    logits = model(input_ids=x, use_cache=False).logits  # (B, T, V); no KV cache while training
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
