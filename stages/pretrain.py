@@ -224,8 +224,9 @@ def main(argv=None) -> dict:
         dist.teardown()
     if out["stopped"]:
         raise SystemExit(143)  # preempted: a checkpoint holds the progress; re-running resumes from it
+    val = out["final_val_loss"]
     dist.print0(f"pretrain: {out['parameters'] / 1e6:.2f}M parameters, {out['step']} steps, train loss "
-                f"{out['final_train_loss']:.4f}, val loss {out['final_val_loss']:.4f} -> {output}", rt=rt)
+                f"{out['final_train_loss']:.4f}, val loss {'-' if val is None else f'{val:.4f}'} -> {output}", rt=rt)
     return out
 
 

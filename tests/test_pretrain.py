@@ -158,3 +158,11 @@ def test_bad_inputs_fail_before_training(tokenized, tmp_path, monkeypatch):
     with pytest.raises(config.UserError, match="meta.json not found: run the tokenize stage first"):
         pretrain.main(["--input", str(tmp_path / "nowhere"), "--output", "bad", *TINY])
     assert not (tokenized / "bad").exists()
+
+
+def test_activation_checkpointing_changes_memory_not_losses(tokenized, monkeypatch):
+    monkeypatch.chdir(tokenized)
+    args = ["--input", "data/tokenize", *TINY, "steps=3", "eval_every=0"]
+    plain = pretrain.main([*args, "--output", "plain"])["history"]["loss"]
+    recomputed = pretrain.main([*args, "--output", "ac", "activation_checkpointing=true"])["history"]["loss"]
+    np.testing.assert_allclose(recomputed, plain, rtol=1e-6)

@@ -204,7 +204,8 @@ def parse_cli(doc: str, paths: dict, argv=None):
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=default,
                             nargs="+" if many else None, help=f"default: {default}")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    args = parser.parse_args(argv)
+    # Intermixed: overrides may come before, between or after the options.
+    args = parser.parse_intermixed_args(argv)
     overrides = list(args.overrides)
     for name, default in paths.items():
         if isinstance(default, list):
