@@ -68,3 +68,21 @@ def prepared(tmp_path_factory, mirror) -> Path:
     ci_params(root)
     run_stage("prepare_data", ["--output", "data/prepare_data"], cwd=root)
     return root
+
+
+@pytest.fixture(scope="session")
+def tokenized(prepared, tmp_path_factory) -> Path:
+    """prepare_data's output plus tokenize (one process) on the ci preset, in a folder of its own."""
+    root = tmp_path_factory.mktemp("tokenized")
+    shutil.copy(prepared / "params.yaml", root / "params.yaml")
+    shutil.copytree(prepared / "data/prepare_data", root / "data/prepare_data")
+    run_stage("tokenize", ["--input", "data/prepare_data", "--output", "data/tokenize"], cwd=root)
+    return root
+
+
+def loss_curve(root: Path, out: str):
+    """The per-step train losses a pretrain run wrote to <out>/plots/loss.csv."""
+    import numpy as np
+
+    rows = (root / out / "plots/loss.csv").read_text().splitlines()[1:]
+    return np.array([float(r.split(",")[1]) for r in rows])

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import run_stage
+from conftest import loss_curve, run_stage
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: bf16/nccl paths run on GPU machines")
 
@@ -18,26 +17,12 @@ TINY = ["n_layers=2", "hidden_size=64", "n_heads=4", "n_kv_heads=2", "intermedia
         "warmup_steps=2", "eval_every=6", "eval_batches=1", "checkpoint_every=6", "log_every=2"]
 
 
-@pytest.fixture(scope="module")
-def tokenized(prepared, tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu")
-    shutil.copy(prepared / "params.yaml", root / "params.yaml")
-    shutil.copytree(prepared / "data/prepare_data", root / "data/prepare_data")
-    run_stage("tokenize", ["--input", "data/prepare_data", "--output", "data/tokenize"], cwd=root)
-    return root
-
-
-def losses(root, out):
-    rows = (root / out / "plots/loss.csv").read_text().splitlines()[1:]
-    return np.array([float(r.split(",")[1]) for r in rows])
-
-
 def test_bf16_on_one_gpu_trains_and_saves_a_loadable_model(tokenized):
     from stages.common import dist
 
     assert dist.compute_dtype(torch.device("cuda")) == torch.bfloat16
     run_stage("pretrain", ["--input", "data/tokenize", "--output", "gpu1", *TINY], cwd=tokenized)
-    curve = losses(tokenized, "gpu1")
+    curve = loss_curve(tokenized, "gpu1")
     assert curve[-1] < curve[0]
     from transformers import AutoModelForCausalLM
 
@@ -51,4 +36,4 @@ def test_fsdp_bf16_mixed_precision_matches_ddp_under_nccl(tokenized):
     run_stage("pretrain", ["--input", "data/tokenize", "--output", "ddp", *TINY, "strategy=ddp"], cwd=tokenized, nproc=2)
     run_stage("pretrain", ["--input", "data/tokenize", "--output", "fsdp", *TINY, "strategy=fsdp"], cwd=tokenized, nproc=2)
     # bf16 compute: the same losses to bf16 precision, not bitwise.
-    np.testing.assert_allclose(losses(tokenized, "fsdp"), losses(tokenized, "ddp"), rtol=2e-2)
+    np.testing.assert_allclose(loss_curve(tokenized, "fsdp"), loss_curve(tokenized, "ddp"), rtol=2e-2)

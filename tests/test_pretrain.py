@@ -12,7 +12,7 @@ import torch
 from stages import pretrain
 from stages.common import config
 
-from conftest import run_stage
+from conftest import loss_curve, run_stage
 
 TINY = ["n_layers=2", "hidden_size=64", "n_heads=4", "n_kv_heads=2", "intermediate_size=128",
         "max_position_embeddings=64", "context_length=64", "steps=8", "batch_size=8", "micro_batch_size=2",
@@ -21,23 +21,9 @@ TINY = ["n_layers=2", "hidden_size=64", "n_heads=4", "n_kv_heads=2", "intermedia
 RECORDED_LOSSES = [6.24940824508667, 6.242489337921143, 6.190092086791992, 6.123337268829346]
 
 
-@pytest.fixture(scope="module")
-def tokenized(prepared, tmp_path_factory):
-    root = tmp_path_factory.mktemp("pretrain")
-    shutil.copy(prepared / "params.yaml", root / "params.yaml")
-    shutil.copytree(prepared / "data/prepare_data", root / "data/prepare_data")
-    run_stage("tokenize", ["--input", "data/prepare_data", "--output", "data/tokenize"], cwd=root)
-    return root
-
-
 def run(root, out, nproc, *extra, check=True, **env):
     return run_stage("pretrain", ["--input", "data/tokenize", "--output", out, *TINY, *extra],
                      cwd=root, nproc=nproc, check=check, **env)
-
-
-def losses(root, out):
-    rows = (root / out / "plots/loss.csv").read_text().splitlines()[1:]
-    return np.array([float(r.split(",")[1]) for r in rows])
 
 
 def logits(model_dir, ids):
@@ -57,7 +43,7 @@ def test_ddp_fsdp_and_one_process_train_the_same_model(tokenized, monkeypatch):
     assert ref[-1] < ref[0] - 0.1, f"loss decreases: {ref}"
     np.testing.assert_allclose(ref[: len(RECORDED_LOSSES)], RECORDED_LOSSES, rtol=1e-5)
     for out in ("ddp", "fsdp"):
-        np.testing.assert_allclose(losses(tokenized, out), ref, rtol=1e-5)
+        np.testing.assert_allclose(loss_curve(tokenized, out), ref, rtol=1e-5)
     # The saved models load in transformers and compute what the trained model computes.
     ids = torch.from_numpy(np.fromfile(tokenized / "data/tokenize/val_0000.bin", dtype=np.uint16)[:64].astype(np.int64))[None]
     with torch.no_grad():
@@ -95,7 +81,7 @@ def test_resume_after_kills_equals_an_uninterrupted_run(tokenized):
     assert "step-4" in kept and "step-6" not in kept and all(n.startswith(("step-", ".step-")) for n in kept)
     proc = run(tokenized, "resumed", 2, "strategy=fsdp", "checkpoint_every=2", **env)
     assert "resuming from" in proc.stdout + proc.stderr and "step 4" in proc.stdout + proc.stderr
-    np.testing.assert_array_equal(losses(tokenized, "resumed"), losses(tokenized, "whole"))
+    np.testing.assert_array_equal(loss_curve(tokenized, "resumed"), loss_curve(tokenized, "whole"))
     from safetensors.torch import load_file
 
     a = load_file(tokenized / "whole/model/model.safetensors")

@@ -17,7 +17,7 @@ ARGS = ["--input", "data/prepare_data", "--output"]
 
 
 @pytest.fixture(scope="module")
-def tokenized(prepared, tmp_path_factory):
+def by_world_size(prepared, tmp_path_factory):
     """The ci corpus tokenized by 1 process and by 2 (torchrun, gloo), each with its own MLflow store."""
     runs = {}
     for nproc in (1, 2):
@@ -29,8 +29,8 @@ def tokenized(prepared, tmp_path_factory):
     return runs
 
 
-def test_two_processes_write_the_same_bytes_as_one(tokenized):
-    one, two = (tokenized[n] / "data/tokenize" for n in (1, 2))
+def test_two_processes_write_the_same_bytes_as_one(by_world_size):
+    one, two = (by_world_size[n] / "data/tokenize" for n in (1, 2))
     names = sorted(p.relative_to(one).as_posix() for p in one.rglob("*") if p.is_file())
     assert names == sorted(p.relative_to(two).as_posix() for p in two.rglob("*") if p.is_file())
     differing = [n for n in names if n != "metrics.json" and not filecmp.cmp(one / n, two / n, shallow=False)]
@@ -38,10 +38,10 @@ def test_two_processes_write_the_same_bytes_as_one(tokenized):
     assert len(json.loads((one / "meta.json").read_text())["splits"]["train"]["shards"]) > 1
 
 
-def test_output_loads_in_transformers_and_decodes_to_the_text(tokenized):
+def test_output_loads_in_transformers_and_decodes_to_the_text(by_world_size):
     from transformers import AutoTokenizer
 
-    root = tokenized[2]
+    root = by_world_size[2]
     out = root / "data/tokenize"
     tok = AutoTokenizer.from_pretrained(out / "tokenizer")
     meta = shards.read_meta(out)
@@ -57,10 +57,10 @@ def test_output_loads_in_transformers_and_decodes_to_the_text(tokenized):
         assert all(len(m) <= meta["shard_tokens"] for m in shards.open_split(out, split))
 
 
-def test_mlflow_has_one_run_per_stage_from_rank_zero(tokenized):
+def test_mlflow_has_one_run_per_stage_from_rank_zero(by_world_size):
     import mlflow
 
-    root = tokenized[2]
+    root = by_world_size[2]
     client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("pipeline").experiment_id])
     assert [r.data.tags["stage"] for r in runs] == ["tokenize"], "one run, logged by rank 0 only"
