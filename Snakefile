@@ -28,10 +28,6 @@ with open("params.yaml") as fh:
     PARAMS = yaml.safe_load(fh)
 
 
-def rule_output(paths, item=None):
-    return [directory(p) if is_dir(p) else p for p in (fill(x, item) for x in paths)]
-
-
 def wildcard(text):
     return text.replace("${item}", "{item}")
 

@@ -175,10 +175,10 @@ def save_outputs(tmp: Path, model_sd: dict, cfg: Config, meta_in: dict, inp: Pat
     return meta
 
 
-def run(cfg: Config, inp: Path, output: Path, meta_in: dict, rt: dist.Runtime, stop: dist.StopFlag) -> dict:
+def run(cfg: Config, lcfg: loop.LoopConfig, inp: Path, output: Path, meta_in: dict, rt: dist.Runtime,
+        stop: dist.StopFlag) -> dict:
     """Train and publish. The wrapped (DDP/FSDP) model lives only in here: it must be gone before the
     process group is torn down, or gloo's shutdown can deadlock on it."""
-    lcfg = loop_config(cfg)
     dist.seed_everything(cfg.seed)
     inputs_hash = dist.broadcast_object(ckpt.hash_files([inp]) if rt.is_main else None)
     ckpt_folder = ckpt.checkpoint_dir(STAGE, config.as_dict(cfg), inputs_hash)
@@ -215,11 +215,12 @@ def main(argv=None) -> dict:
     rt = dist.init()
     stop = dist.handle_sigterm()
     try:
+        lcfg = loop_config(cfg)
         try:
-            loop.grad_accum_steps(loop_config(cfg), rt.world_size)
+            loop.grad_accum_steps(lcfg, rt.world_size)
         except ValueError as e:
             raise config.UserError(f"params.yaml: pretrain.{e}") from None
-        out = run(cfg, inp, output, meta_in, rt, stop)
+        out = run(cfg, lcfg, inp, output, meta_in, rt, stop)
     finally:
         dist.teardown()
     if out["stopped"]:

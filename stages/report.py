@@ -70,7 +70,7 @@ def fmt(value) -> str:
     return str(value)
 
 
-def render_markdown(doc: dict, output: Path) -> str:
+def render_markdown(doc: dict) -> str:
     lines = ["# Results", "", f"Git commit: `{doc['git_commit']}`", "", "## Reproduced results", "",
              "| " + " | ".join(ROW_FIELDS) + " |", "|" + "---|" * len(ROW_FIELDS)]
     for row in doc["rows"]:
@@ -81,7 +81,7 @@ def render_markdown(doc: dict, output: Path) -> str:
     lines += ["", "## Stage metrics", ""]
     for label, metrics in doc["stage_metrics"].items():
         lines += [f"### {label}", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {fmt(v)} |" for k, v in sorted(flatten(metrics).items())]
+        lines += [f"| {k} | {fmt(v)} |" for k, v in sorted(track.flatten(metrics).items())]
         lines.append("")
     if doc["plots"]:
         lines += ["## Plots", ""]
@@ -89,16 +89,6 @@ def render_markdown(doc: dict, output: Path) -> str:
             rel = Path("..") / plot if not Path(plot).is_absolute() else Path(plot)
             lines += [f"![{plot}]({rel.as_posix()})", ""]
     return "\n".join(lines).rstrip() + "\n"
-
-
-def flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def build_report(inputs: list[Path]) -> dict:
@@ -134,7 +124,7 @@ def main(argv=None) -> dict:
                 output = Path(args.output)
                 with ckpt.atomic_dir(output) as tmp:
                     ckpt.write_json(tmp / "results.json", doc)
-                    (tmp / "results.md").write_text(render_markdown(doc, output), encoding="utf-8")
+                    (tmp / "results.md").write_text(render_markdown(doc), encoding="utf-8")
                 passed = [r["pass"] for r in doc["rows"]]
                 tracker.log_metrics({"rows": len(passed), "rows_passed": passed.count(True), "rows_failed": passed.count(False)})
                 tracker.log_artifact(output / "results.md")

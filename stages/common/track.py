@@ -118,14 +118,14 @@ class Tracker:
             mlflow.log_text(text, name)
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
     out = {}
     for k, v in d.items():
-        key = f"{prefix}{k}"
         if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
-            out[key] = json.dumps(v) if isinstance(v, (list, tuple)) else v
+            out[f"{prefix}{k}"] = v
     return out
 
 
@@ -193,7 +193,7 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags
         **(tags or {}),
     }
     with mlflow.start_run(experiment_id=experiment_id, run_name=stage, parent_run_id=parent, tags=all_tags) as run:
-        mlflow.log_params(_flatten(params))
+        mlflow.log_params({k: json.dumps(v) if isinstance(v, (list, tuple)) else v for k, v in flatten(params).items()})
         mlflow.log_text(pip_freeze(), "environment/requirements.txt")
         status = "FAILED"
         try:
