@@ -20,7 +20,8 @@ split's UTF-8 bytes and whitespace-separated words, as lm-evaluation-harness def
 
 Models: `--models label=path ...`; a PEFT adapter on a base model is `label=base_dir+adapter_dir`
 (loaded as `PeftModel.from_pretrained(base, adapter_dir)`); without `label=` the label is the last
-folder name. Labels must differ from this stage's params keys.
+folder name. A folder holding checkpoints in subfolders (and no config.json of its own) stands for
+all of them, each labelled by its subfolder's name. Labels must differ from this stage's params keys.
 
 Run:
     python -m stages.eval_perplexity --models pretrain=data/pretrain/model --input data/tokenize \\
@@ -107,10 +108,16 @@ def parse_models(items: list[str]) -> list[ModelSpec]:
     for item in items:
         label, _, where = item.partition("=") if "=" in item else ("", "", item)
         base, _, adapter = where.partition("+")
+        family = sorted(d for d in Path(base).glob("*/") if (d / "config.json").is_file())
+        if not adapter and not (Path(base) / "config.json").is_file() and family:
+            # A folder of checkpoints (e.g. extend_context's variants): one model per subfolder.
+            specs += [ModelSpec(d.name, d, None) for d in family]
+            continue
         label = label or Path(adapter or base).name
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", label):
-            raise config.UserError(f"eval_perplexity: model label {label!r} must be letters, digits, '_', '.', '-'")
         specs.append(ModelSpec(label, Path(base), Path(adapter) if adapter else None))
+    for spec in specs:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", spec.label):
+            raise config.UserError(f"eval_perplexity: model label {spec.label!r} must be letters, digits, '_', '.', '-'")
     labels = [s.label for s in specs]
     if not specs or len(set(labels)) != len(labels):
         raise config.UserError(f"eval_perplexity: pass --models label=path ... with distinct labels, got {labels}")

@@ -3,12 +3,16 @@
 Each stage's output folder may hold
     metrics.json   final numbers of the stage (also its DVC metrics)
     results.json   a list of reproduced results, one object per row with the keys
-                   result, paper, published, ours, tolerance (and optionally data: names of the
-                   raw files the row depends on, as keys of prepare_data's meta.json `files`)
+                   result, paper, published, ours, tolerance, and optionally
+                     relation  "=" (the default: |ours - published| <= tolerance), ">=" (ours >=
+                               published - tolerance) or "<=" (ours <= published + tolerance), for
+                               findings that are bounds rather than figures
+                     data      names of the raw files the row depends on (keys of prepare_data's
+                               meta.json `files`)
     plots/*.png    figures, linked from the report
 
-Every row of the report has one schema (ROW_FIELDS): result, paper, published figure, ours,
-tolerance, pass (|ours - published| <= tolerance), stage, git commit, data hashes.
+Every row of the report has one schema (ROW_FIELDS): result, paper, relation, published figure,
+ours, tolerance, pass (ours against published under the relation), stage, git commit, data hashes.
 
 Run:
     python -m stages.report --output reports --inputs data/prepare_data data/tokenize ...
@@ -25,8 +29,14 @@ from pathlib import Path
 from stages.common import ckpt, config, dist, track
 
 STAGE = "report"
-ROW_FIELDS = ("result", "paper", "published", "ours", "tolerance", "pass", "stage", "git_commit", "data_hashes")
+ROW_FIELDS = ("result", "paper", "relation", "published", "ours", "tolerance", "pass", "stage", "git_commit",
+              "data_hashes")
 ROW_INPUT_FIELDS = ("result", "paper", "published", "ours", "tolerance")
+RELATIONS = {
+    "=": lambda ours, published, tol: abs(ours - published) <= tol,
+    ">=": lambda ours, published, tol: ours >= published - tol,
+    "<=": lambda ours, published, tol: ours <= published + tol,
+}
 
 
 @dataclass(frozen=True)
@@ -52,11 +62,14 @@ def read_rows(folder: Path, label: str, commit: str, data_files: dict) -> list[d
         if missing:
             raise config.UserError(f"{path}: row {i} lacks {', '.join(missing)} (each row needs {', '.join(ROW_INPUT_FIELDS)})")
         ours, published, tol = row["ours"], row["published"], row["tolerance"]
+        relation = row.get("relation", "=")
+        if relation not in RELATIONS:
+            raise config.UserError(f"{path}: row {i} has relation {relation!r}; use one of {', '.join(RELATIONS)}")
         numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ours, published, tol))
-        passed = bool(numeric and math.isfinite(ours) and abs(ours - published) <= tol) if numeric else None
+        passed = bool(math.isfinite(ours) and RELATIONS[relation](ours, published, tol)) if numeric else None
         hashes = {name: data_files[name] for name in row.get("data", ()) if name in data_files}
-        out.append({**{k: row[k] for k in ROW_INPUT_FIELDS}, "pass": passed, "stage": label,
-                    "git_commit": commit, "data_hashes": hashes})
+        values = {**row, "relation": relation, "pass": passed, "stage": label, "git_commit": commit, "data_hashes": hashes}
+        out.append({k: values[k] for k in ROW_FIELDS})
     return out
 
 

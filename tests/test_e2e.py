@@ -7,6 +7,7 @@ after one tool runs, the other sees everything up to date. MLflow groups each in
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -19,6 +20,9 @@ from conftest import MIRROR, ROOT
 
 pytestmark = pytest.mark.e2e
 UP_TO_DATE = "Data and pipelines are up to date."
+# What a change to tokenize re-runs (Snakemake rule names; DVC stage names).
+DOWNSTREAM = {"tokenize", "pretrain", "extend_context", "eval_perplexity", "context_study", "report"}
+DOWNSTREAM_DVC = DOWNSTREAM - {"eval_perplexity"} | {"eval_perplexity@pretrain", "eval_perplexity@extend_context"}
 
 
 def sh(cmd: str, cwd: Path) -> str:
@@ -80,28 +84,33 @@ def mlflow_groups(clone: Path) -> dict[str, list[str]]:
 
 def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     out = sh("snakemake --cores 2", clone)
-    assert snakemake_ran(out) == {"prepare_data", "tokenize", "pretrain", "eval_perplexity", "train_gnn", "report"}
+    assert snakemake_ran(out) == {"prepare_data", *DOWNSTREAM, "train_gnn"}
     assert UP_TO_DATE in sh("dvc status", clone), "snakemake commits every stage to dvc.lock"
     results = (clone / "reports/results.md").read_text()
-    assert "| result | paper | published | ours | tolerance | pass | stage | git_commit | data_hashes |" in results
+    assert "| result | paper | relation | published | ours | tolerance | pass | stage | git_commit | data_hashes |" in results
     assert "### tokenize" in results and (clone / "reports/results.json").is_file()
     assert "| GCN test accuracy on Cora (%), mean of 2 seeds | Kipf & Welling 2017 (GCN), Table 2 | 81.5 |" in results
     assert "data/train_gnn/plots/accuracy.png" in results
+    # The context-extension study: every method x length cell filled, its findings in the report.
+    study = json.loads((clone / "data/context_study/study.json").read_text())
+    assert study["lengths"] == [64, 128, 256, 512] and len(study["perplexity"]) == 10
+    assert all(len(row) == 4 for row in study["perplexity"].values())
+    assert "| unscaled: perplexity at 2L / at L | Chen et al. 2023 (Position Interpolation) | >= | 1.2 |" in results
 
     assert "Nothing to be done" in sh("snakemake --cores 2", clone)
     assert dvc_ran(sh("dvc repro", clone)) == set()
 
     # A params change re-runs tokenize and what follows, never prepare_data or train_gnn (no path from tokenize).
     set_vocab(clone, 600)
-    assert snakemake_ran(sh("snakemake --cores 2", clone)) == {"tokenize", "pretrain", "eval_perplexity", "report"}
+    assert snakemake_ran(sh("snakemake --cores 2", clone)) == DOWNSTREAM
     assert UP_TO_DATE in sh("dvc status", clone)
     set_vocab(clone, 640)
-    assert dvc_ran(sh("dvc repro", clone)) == {"tokenize", "pretrain", "eval_perplexity@pretrain", "report"}
+    assert dvc_ran(sh("dvc repro", clone)) == DOWNSTREAM_DVC
     assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone), "dvc repro results count for snakemake"
 
     # A deleted output re-runs its stage and its dependents only.
     sh("rm -rf data/tokenize", clone)
-    assert snakemake_ran(sh("snakemake --cores 2", clone)) == {"tokenize", "pretrain", "eval_perplexity", "report"}
+    assert snakemake_ran(sh("snakemake --cores 2", clone)) == DOWNSTREAM
     assert UP_TO_DATE in sh("dvc status", clone)
     sh("rm -rf data/tokenize", clone)
     out = sh("dvc repro", clone)
@@ -118,7 +127,7 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     # One MLflow group per invocation that ran stages: three from snakemake, one from dvc repro.
     groups = mlflow_groups(clone)
     by_tool = {tool: sorted(str(v) for k, v in groups.items() if k.startswith(tool)) for tool in ("smk-", "dvc-")}
-    downstream = ["eval_perplexity", "pretrain", "report", "tokenize"]
+    downstream = sorted(["eval_perplexity", *DOWNSTREAM])  # eval_perplexity runs once per model folder
     full = sorted(["prepare_data", "train_gnn", *downstream])
     assert by_tool["smk-"] == sorted(map(str, [full, downstream, downstream]))
     assert by_tool["dvc-"] == [str(downstream)]

@@ -48,11 +48,27 @@ def test_rows_share_one_schema_and_pass_is_computed(tree):
     assert gcn["data_hashes"] == {"planetoid/Cora/raw/ind.cora.x": "ab" * 32} and gat["data_hashes"] == {}
     assert gcn["stage"] == "train_gnn" and gcn["git_commit"]
     md = (tree / "reports/results.md").read_text()
-    assert "| GCN Cora test accuracy | Kipf & Welling 2017 | 81.5 | 81 | 1 | pass | train_gnn |" in md
+    assert "| GCN Cora test accuracy | Kipf & Welling 2017 | = | 81.5 | 81 | 1 | pass | train_gnn |" in md
     assert "| GAT Cora test accuracy |" in md and "| FAIL |" in md
     assert "![data/train_gnn/plots/accuracy.png](../data/train_gnn/plots/accuracy.png)" in md
     assert "| gcn.test_acc | 0.81 |" in md
     assert json.loads((tree / "reports/results.json").read_text())["rows"] == doc["rows"]
+
+
+def test_bound_rows_pass_on_their_side_of_the_bound(tree):
+    stage_folder(tree, "context_study", rows=[
+        {"result": "growth", "paper": "p", "relation": ">=", "published": 1.2, "ours": 1.5, "tolerance": 0.0},
+        {"result": "recovery", "paper": "p", "relation": "<=", "published": 1.0, "ours": 1.04, "tolerance": 0.05},
+        {"result": "worse", "paper": "p", "relation": "<=", "published": 1.0, "ours": 1.2, "tolerance": 0.05},
+        {"result": "short", "paper": "p", "relation": ">=", "published": 1.2, "ours": 1.1, "tolerance": 0.0},
+    ])
+    doc = report.main(["--output", "reports", "--inputs", "data/context_study"])
+    assert [r["pass"] for r in doc["rows"]] == [True, True, False, False]
+    assert "| growth | p | >= | 1.2 | 1.5 | 0 | pass |" in (tree / "reports/results.md").read_text()
+    stage_folder(tree, "odd", rows=[{"result": "x", "paper": "p", "relation": "~", "published": 1, "ours": 1,
+                                     "tolerance": 0}])
+    with pytest.raises(config.UserError, match="relation '~'; use one of =, >=, <="):
+        report.main(["--output", "reports", "--inputs", "data/odd"])
 
 
 def test_strict_fails_on_a_row_outside_tolerance_but_still_writes(tree):

@@ -1,0 +1,352 @@
+"""extend_context: scaled-RoPE variants of a pretrained Llama for a longer context, optionally fine-tuned.
+
+Takes a model trained at context L (`--base`, Hugging Face format; default the pretrain stage's) and
+writes one model per variant for the extended context s x L (`factor` in params), each in Hugging
+Face format with its RoPE scaling in `config.rope_parameters`, so `AutoModelForCausalLM` loads it
+intact:
+
+    unscaled     the base model as it is (RoPE unchanged; max_position_embeddings s x L)
+    <variant>    each entry of `variants`: position interpolation (`linear`), dynamic NTK (`dynamic`),
+                 YaRN (`yarn`) or Llama-3 wavelength bands (`llama3`), zero-shot (weights unchanged)
+    <name>-ft    each entry of `finetune`, trained for `steps` steps at context s x L; `unscaled-ft`
+                 is the direct fine-tune without scaling (the control of the Position Interpolation paper)
+
+Fine-tuning uses the codebase's one training loop (stages/common/loop.py: DDP or FSDP2, warmup +
+cosine, accumulation, checkpoints every `checkpoint_every` steps and on SIGTERM, exact resume). Each
+fine-tune resumes from checkpoints/extend_context/<hash of params, variant and inputs>/; a finished
+one is kept there as `final/` until the stage publishes, so a re-run after a crash skips it.
+
+The eval_perplexity stage evaluates every variant at L, 2L, 4L and 8L (data/eval_perplexity/extend_context)
+and the context_study stage compares them with the published findings.
+
+Run:
+    python -m stages.extend_context --base data/pretrain/model --input data/tokenize --output data/extend_context
+    torchrun --nproc-per-node 2 -m stages.extend_context --base data/pretrain/model --input data/tokenize \\
+        --output data/extend_context factor=2 steps=50
+    snakemake --cores all extend_context      # or: dvc repro extend_context
+
+Output (data/extend_context/):
+    model/<variant>/   config.json, model.safetensors, tokenizer files
+    meta.json          per variant: method, fine-tuned or not, rope_parameters, max_position_embeddings
+    metrics.json       per fine-tuned variant: final train/val loss at s x L, tokens/s
+    plots/finetune_loss.csv, plots/finetune_loss.png   fine-tuning loss curves
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stages.common import ckpt, config, dist, loop, shards, track
+
+STAGE = "extend_context"
+UNSCALED = "unscaled"
+# rope_type -> (keys a variant must give, keys it may give), besides rope_type itself. factor,
+# rope_theta and original_max_position_embeddings come from the stage's params and the base model.
+ROPE_TYPES = {
+    "linear": ((), ()),
+    "dynamic": ((), ()),
+    "yarn": ((), ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")),
+    "llama3": (("low_freq_factor", "high_freq_factor"), ()),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    factor: float
+    """s: the extended context is s x L tokens."""
+    original_context: int
+    """L, the context the base model was trained at; 0: the base model's config.max_position_embeddings."""
+    variants: dict
+    """name -> {rope_type: linear | dynamic | yarn | llama3, and that type's keys} (transformers rope_parameters)."""
+    finetune: tuple[str, ...]
+    """Variants to fine-tune at s x L (names of `variants`, or `unscaled` for the direct fine-tune); [] = none."""
+    # fine-tuning, as in the pretrain stage (the context is s x L)
+    steps: int
+    batch_size: int
+    """Sequences of s x L tokens per optimizer step, over all processes."""
+    micro_batch_size: int
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    weight_decay: float
+    beta1: float
+    beta2: float
+    grad_clip: float
+    strategy: str
+    """ddp | fsdp."""
+    activation_checkpointing: bool
+    compile: bool
+    eval_every: int
+    eval_batches: int
+    checkpoint_every: int
+    log_every: int
+    seed: int
+    peak_tflops: float
+
+    def __post_init__(self):
+        if not self.factor > 1:
+            raise ValueError(f"factor must be greater than 1 (the context grows s-fold), got {self.factor}")
+        if self.original_context < 0:
+            raise ValueError(f"original_context must be >= 0 (0 = the base model's max_position_embeddings)")
+        for name, spec in self.variants.items():
+            check_variant(name, spec)
+        unknown = [n for n in self.finetune if n != UNSCALED and n not in self.variants]
+        if unknown or len(set(self.finetune)) != len(self.finetune):
+            raise ValueError(f"finetune: {unknown[0] if unknown else 'a repeated name'} is not a variant; valid: "
+                             f"{', '.join([UNSCALED, *self.variants])}, each at most once")
+        if self.strategy not in loop.STRATEGIES:
+            raise ValueError(f"strategy: unknown strategy {self.strategy!r}; valid: {', '.join(loop.STRATEGIES)}")
+        if min(self.steps, self.batch_size, self.micro_batch_size, self.log_every) < 1:
+            raise ValueError("steps, batch_size, micro_batch_size and log_every must be >= 1")
+
+
+def check_variant(name: str, spec) -> None:
+    where = f"variants.{name}"
+    if name == UNSCALED or name.endswith("-ft") or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"{where}: a variant name is letters, digits, '_' or '-', not '{UNSCALED}' and not ending in '-ft'")
+    if not isinstance(spec, dict) or "rope_type" not in spec:
+        raise ValueError(f"{where} must be a mapping with a rope_type ({' | '.join(ROPE_TYPES)}), got {spec!r}")
+    rope_type = spec["rope_type"]
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{where}.rope_type: unknown scaling type {rope_type!r}; valid: {', '.join(ROPE_TYPES)}")
+    required, optional = ROPE_TYPES[rope_type]
+    missing = [k for k in required if k not in spec]
+    if missing:
+        raise ValueError(f"{where}: rope_type {rope_type} needs {', '.join(required)}; add {missing[0]}")
+    extra = sorted(set(spec) - {"rope_type", *required, *optional})
+    if extra:
+        raise ValueError(f"{where}.{extra[0]}: not a key of rope_type {rope_type}; "
+                         f"valid: {', '.join([*required, *optional]) or 'none besides rope_type'}")
+    if rope_type == "llama3" and not 0 < spec["low_freq_factor"] < spec["high_freq_factor"]:
+        raise ValueError(f"{where}: llama3 needs 0 < low_freq_factor < high_freq_factor")
+
+
+def loop_config(cfg: Config, context: int) -> loop.LoopConfig:
+    names = {f.name for f in dataclasses.fields(loop.LoopConfig)}
+    return loop.LoopConfig(context_length=context, **{k: v for k, v in dataclasses.asdict(cfg).items() if k in names})
+
+
+def scaled_config(base_config, spec: dict | None, factor: float, original: int):
+    """The base model's config with the variant's RoPE scaling (spec None: unscaled, only longer)."""
+    c = copy.deepcopy(base_config)
+    theta = c.rope_parameters["rope_theta"]
+    extended = int(round(factor * original))
+    if spec is None:
+        c.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+        c.max_position_embeddings = extended
+        return c
+    rope = {**spec, "rope_theta": theta, "factor": float(factor)}
+    if spec["rope_type"] in ("yarn", "llama3"):
+        rope["original_max_position_embeddings"] = original
+    c.rope_parameters = rope
+    # Dynamic NTK reads max_position_embeddings as the trained length and rescales beyond it.
+    c.max_position_embeddings = original if spec["rope_type"] == "dynamic" else extended
+    return c
+
+
+def check_inputs(base: Path, data: Path, cfg: Config):
+    """The base model's config and the token shards' meta, checked before any compute."""
+    from transformers import AutoConfig
+
+    if not (base / "config.json").is_file():
+        raise config.UserError(f"extend_context: {base} has no config.json; pass --base a Hugging Face model folder")
+    if not any((base / w).is_file() for w in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")):
+        raise config.UserError(f"extend_context: {base} has no weights (model.safetensors); the checkpoint is incomplete")
+    base_config = AutoConfig.from_pretrained(base)
+    rope_type = (base_config.rope_parameters or {}).get("rope_type", "default")
+    if rope_type != "default":
+        raise config.UserError(f"extend_context: {base} already uses RoPE scaling ({rope_type}); extend an unscaled model")
+    original = cfg.original_context or base_config.max_position_embeddings
+    try:
+        meta = shards.read_meta(data)
+    except FileNotFoundError as e:
+        raise config.UserError(f"extend_context: {e}") from None
+    if meta["vocab_size"] > base_config.vocab_size:
+        raise config.UserError(f"extend_context: the shards in {data} use {meta['vocab_size']} token ids but the base "
+                               f"model has {base_config.vocab_size}; use the tokenizer the base model was trained with")
+    if cfg.finetune:
+        context = int(round(cfg.factor * original))
+        n = min(meta["splits"][s]["tokens"] for s in ("train", "val"))
+        if n < context + 2:
+            raise config.UserError(f"extend_context: a split of {data} has {n} tokens, fewer than one fine-tuning "
+                                   f"window of {context + 1}; lower extend_context.factor or use a longer corpus")
+    return base_config, original
+
+
+class PrefixedTracker:
+    """One MLflow run for the stage; each fine-tune logs its metrics under `<variant>.`."""
+
+    def __init__(self, tracker: track.Tracker, prefix: str):
+        self.tracker, self.prefix = tracker, prefix
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        self.tracker.log_metrics({f"{self.prefix}.{k}": v for k, v in metrics.items()}, step=step)
+
+
+def finetune(name: str, model_config, base: Path, data: Path, cfg: Config, lcfg: loop.LoopConfig, inputs_hash: str,
+             rt: dist.Runtime, tracker, stop: dist.StopFlag) -> dict | None:
+    """Fine-tune one variant at s x L; its final weights end in <checkpoints>/final/ (HF format).
+    Returns the run's summary, or None when SIGTERM stopped it (a checkpoint holds the progress)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = ckpt.checkpoint_dir(STAGE, {**config.as_dict(cfg), "variant": name}, inputs_hash)
+    final = folder / "final"
+    if final.is_dir():
+        dist.print0(f"extend_context: {name} already fine-tuned in {final}", rt=rt)
+        return ckpt_summary(final)
+    dist.seed_everything(cfg.seed)
+    # fp32 master weights everywhere; on GPU the loop computes in bf16 under autocast.
+    model = AutoModelForCausalLM.from_pretrained(base, config=model_config, dtype=torch.float32)
+    result = loop.train(model, shards.load_split(data, "train"), shards.load_split(data, "val"), lcfg, rt, folder,
+                        PrefixedTracker(tracker, name), stop)
+    if result["stopped"]:
+        return None
+    state = loop.full_state_dict(result["model"], rt)
+    del result["model"], model
+    gc.collect()
+    hist = result["history"]
+    summary = {"final_train_loss": hist["loss"][-1],
+               "final_val_loss": hist["val_loss"][-1] if hist["val_loss"] else None,
+               "tokens_per_s": result["tokens_per_s"], "steps": hist["step"][-1],
+               "history": {"step": hist["step"], "loss": hist["loss"], "val_step": hist["val_step"], "val_loss": hist["val_loss"]}}
+    with ckpt.atomic_dir(final, rt) as tmp:
+        if rt.is_main:
+            trained = AutoModelForCausalLM.from_config(model_config)
+            trained.load_state_dict(state)
+            trained.save_pretrained(tmp)
+            ckpt.write_json(tmp / "summary.json", summary)
+    if rt.is_main:
+        for step_dir in folder.glob("step-*"):
+            shutil.rmtree(step_dir, ignore_errors=True)
+    return summary
+
+
+def ckpt_summary(final: Path) -> dict:
+    return json.loads((final / "summary.json").read_text())
+
+
+def copy_model_files(src: Path, dest: Path, skip: tuple[str, ...] = ()) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.name not in skip:
+            shutil.copy2(f, dest / f.name)
+
+
+def plot_finetunes(summaries: dict, folder: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "finetune_loss.csv", "w") as fh:
+        fh.write("variant,step,train_loss,val_loss\n")
+        for name, s in summaries.items():
+            val = dict(zip(s["history"]["val_step"], s["history"]["val_loss"]))
+            for step, loss in zip(s["history"]["step"], s["history"]["loss"]):
+                fh.write(f"{name},{step},{loss:.6f},{'' if step not in val else f'{val[step]:.6f}'}\n")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, s in summaries.items():
+        ax.plot(s["history"]["step"], s["history"]["loss"], label=name)
+    ax.set(xlabel="step", ylabel="train loss (nats/token)", title="Fine-tuning at the extended context")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "finetune_loss.png", dpi=100)
+    plt.close(fig)
+
+
+def publish(tmp: Path, base: Path, configs: dict, summaries: dict, finals: dict, cfg: Config, original: int) -> dict:
+    """Write every variant (rank 0): zero-shot ones are the base weights with a new config.json."""
+    weights_and_config = ("config.json",)
+    variants = {}
+    for name, model_config in configs.items():
+        dest = tmp / "model" / name
+        copy_model_files(base, dest, skip=weights_and_config)
+        model_config.save_pretrained(dest)
+        variants[name] = {"method": name, "finetuned": False}
+    for name, final in finals.items():
+        dest = tmp / "model" / f"{name}-ft"
+        copy_model_files(base, dest, skip=weights_and_config)
+        copy_model_files(final, dest, skip=("summary.json",))
+        variants[f"{name}-ft"] = {"method": name, "finetuned": True}
+    for name, v in variants.items():
+        c = configs[v["method"]]
+        v.update(rope_parameters=c.rope_parameters, max_position_embeddings=c.max_position_embeddings)
+    meta = {"base": str(base), "original_context": original, "factor": cfg.factor,
+            "extended_context": int(round(cfg.factor * original)), "finetune_steps": cfg.steps,
+            "variants": variants, "git_commit": track.git_commit()}
+    ckpt.write_json(tmp / "meta.json", meta)
+    metrics = {"extended_context": meta["extended_context"],
+               **{f"{n}-ft": {k: s[k] for k in ("final_train_loss", "final_val_loss", "tokens_per_s")}
+                  for n, s in summaries.items()}}
+    ckpt.write_json(tmp / "metrics.json", metrics)
+    if summaries:
+        plot_finetunes({f"{n}-ft": s for n, s in summaries.items()}, tmp / "plots")
+    return meta
+
+
+def run(base: Path, data: Path, output: Path, cfg: Config, configs: dict, lcfg: loop.LoopConfig, original: int,
+        rt: dist.Runtime, stop: dist.StopFlag) -> dict | None:
+    inputs_hash = dist.broadcast_object(ckpt.hash_files([base, data]) if rt.is_main else None)
+    summaries, finals = {}, {}
+    with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"base": str(base)}) as tracker:
+        for name in cfg.finetune:
+            dist.print0(f"extend_context: fine-tuning {name} at context {lcfg.context_length}", rt=rt)
+            summary = finetune(name, configs[name], base, data, cfg, lcfg, inputs_hash, rt, tracker, stop)
+            if summary is None:
+                tracker.set_tags({"stopped_by": "SIGTERM"})
+                return None
+            summaries[name] = summary
+            finals[name] = ckpt.checkpoint_dir(STAGE, {**config.as_dict(cfg), "variant": name}, inputs_hash) / "final"
+        meta = None
+        with ckpt.atomic_dir(output, rt) as tmp:
+            if rt.is_main:
+                meta = publish(tmp, base, configs, summaries, finals, cfg, original)
+        if rt.is_main:
+            final_metrics = track.flatten(json.loads((output / "metrics.json").read_text()))
+            tracker.log_metrics({k: v for k, v in final_metrics.items() if v is not None})
+            tracker.log_artifact(output / "meta.json")
+            if summaries:
+                tracker.log_artifact(output / "plots", "plots")
+            for final in finals.values():  # published: the fine-tunes' checkpoints are spent
+                shutil.rmtree(final.parent, ignore_errors=True)
+    return {"meta": dist.broadcast_object(meta), "summaries": summaries}
+
+
+def main(argv=None) -> dict:
+    args, overrides = config.parse_cli(
+        __doc__, {"base": "data/pretrain/model", "input": "data/tokenize", "output": "data/extend_context"}, argv)
+    cfg = config.load(Config, STAGE, args.params, overrides)
+    base, data, output = Path(args.base), Path(args.input), Path(args.output)
+    base_config, original = check_inputs(base, data, cfg)
+    configs = {UNSCALED: scaled_config(base_config, None, cfg.factor, original)}
+    configs |= {name: scaled_config(base_config, spec, cfg.factor, original) for name, spec in cfg.variants.items()}
+    lcfg = loop_config(cfg, int(round(cfg.factor * original)))
+    rt = dist.init()
+    stop = dist.handle_sigterm()
+    try:
+        try:
+            loop.grad_accum_steps(lcfg, rt.world_size)
+        except ValueError as e:
+            raise config.UserError(f"params.yaml: {STAGE}.{e}") from None
+        out = run(base, data, output, cfg, configs, lcfg, original, rt, stop)
+    finally:
+        dist.teardown()
+    if out is None:
+        raise SystemExit(143)  # preempted: a checkpoint holds the progress; re-running resumes from it
+    dist.print0(f"extend_context: {len(out['meta']['variants'])} variants for context "
+                f"{out['meta']['extended_context']} (L = {original}, s = {cfg.factor:g}) -> {output}/model", rt=rt)
+    return out
+
+
+if __name__ == "__main__":
+    config.run(main)
