@@ -53,6 +53,7 @@ def load_inputs(extend: Path, evaluated: Path) -> tuple[dict, dict]:
         if not path.is_file():
             raise config.UserError(f"context_study: {path} not found; run the stage that writes it first")
     meta = json.loads((extend / "meta.json").read_text())
+    meta["variants"] = {name: meta["variants"][name] for name in meta.get("order", meta["variants"])}
     metrics = json.loads((evaluated / "metrics.json").read_text())["models"]
     missing = sorted(set(meta["variants"]) - set(metrics))
     if missing:
@@ -104,7 +105,7 @@ def findings(meta: dict, table: dict, cfg: Config) -> list[dict]:
     for name in scaled:
         if meta["variants"][name]["rope_parameters"]["rope_type"] == "linear":
             continue  # interpolation changes every frequency: it needs the fine-tune (finding above)
-        row(f"{name} zero-shot at {s} / unscaled at {s}", YARN if name == "yarn" else PI,
+        row(f"{name} zero-shot at {s} / unscaled at {s}", YARN,
             "scaled RoPE without fine-tuning degrades less than unscaled RoPE beyond L",
             table[name][E] / table["unscaled"][E], "<=", 1.0)
     others = [n for n in scaled if n != "yarn"]

@@ -27,7 +27,8 @@ Run:
 
 Output (data/extend_context/):
     model/<variant>/   config.json, model.safetensors, tokenizer files
-    meta.json          per variant: method, fine-tuned or not, rope_parameters, max_position_embeddings
+    meta.json          per variant: method, fine-tuned or not, rope_parameters, max_position_embeddings;
+                       `order`: the variants, zero-shot ones first
     metrics.json       per fine-tuned variant: final train/val loss at s x L, tokens/s
     plots/finetune_loss.csv, plots/finetune_loss.png   fine-tuning loss curves
 """
@@ -283,7 +284,7 @@ def publish(tmp: Path, base: Path, configs: dict, summaries: dict, finals: dict,
         v.update(rope_parameters=c.rope_parameters, max_position_embeddings=c.max_position_embeddings)
     meta = {"base": str(base), "original_context": original, "factor": cfg.factor,
             "extended_context": int(round(cfg.factor * original)), "finetune_steps": cfg.steps,
-            "variants": variants, "git_commit": track.git_commit()}
+            "variants": variants, "order": list(variants), "git_commit": track.git_commit()}
     ckpt.write_json(tmp / "meta.json", meta)
     metrics = {"extended_context": meta["extended_context"],
                **{f"{n}-ft": {k: s[k] for k in ("final_train_loss", "final_val_loss", "tokens_per_s")}

@@ -37,3 +37,18 @@ def test_fsdp_bf16_mixed_precision_matches_ddp_under_nccl(tokenized):
     run_stage("pretrain", ["--input", "data/tokenize", "--output", "fsdp", *TINY, "strategy=fsdp"], cwd=tokenized, nproc=2)
     # bf16 compute: the same losses to bf16 precision, not bitwise.
     np.testing.assert_allclose(loss_curve(tokenized, "fsdp"), loss_curve(tokenized, "ddp"), rtol=2e-2)
+
+
+def test_extend_context_fine_tunes_yarn_in_bf16(tokenized):
+    run_stage("pretrain", ["--input", "data/tokenize", "--output", "gpu_base", *TINY], cwd=tokenized)
+    run_stage("extend_context", ["--base", "gpu_base/model", "--input", "data/tokenize", "--output", "gpu_ext",
+                                 "finetune=[yarn]", "steps=4", "batch_size=4", "micro_batch_size=4"], cwd=tokenized)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tokenized / "gpu_ext/model/yarn-ft").cuda()
+    assert model.config.rope_parameters["rope_type"] == "yarn"
+    metrics = json.loads((tokenized / "gpu_ext/metrics.json").read_text())
+    assert np.isfinite(metrics["yarn-ft"]["final_train_loss"])
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(torch.randint(0, 256, (1, 4 * 64), device="cuda")).logits  # beyond the trained 64
+    assert torch.isfinite(logits).all()
