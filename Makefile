@@ -12,7 +12,7 @@ export PIPELINE_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shar
 TORCH_INDEX := $(if $(shell command -v nvidia-smi),,--extra-index-url https://download.pytorch.org/whl/cpu)
 MLFLOW_PORT ?= 5000
 
-.PHONY: run test venv dag bench mlflow-ui lock clean
+.PHONY: run test test-system venv dag bench mlflow-ui lock clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,14 @@ run: $(STAMP)
 	snakemake --cores all
 
 test: $(STAMP)
-	python -m pytest -q tests
+	python -m pytest -q tests --ignore=tests/system
+
+# As root: a single-node SLURM running the pipeline, the stage containers built with podman, the MLflow
+# UI in headless Chromium (tests/system/). Installs the Debian packages they need first; each test that
+# cannot run here is skipped with the reason.
+test-system: $(STAMP)
+	bash tests/system/install.sh
+	python -m pytest -q tests/system
 
 dag: $(STAMP)
 	python -m pipelines.dag write

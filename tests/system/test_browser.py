@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from workspace import BIN, ROOT, env_for, make_clone, sh
+from workspace import BIN, ROOT, env_for, local_run, sh
 
 pytestmark = pytest.mark.system
 ARTIFACTS = ROOT / "tests" / "system" / "artifacts"
@@ -50,22 +50,21 @@ def api(base: str, path: str, body: dict | None = None) -> dict:
 def server(tmp_path_factory, mirror):
     if chromium() is None:
         pytest.skip("Chromium not installed (bash tests/system/install.sh browser)")
-    clone = make_clone(tmp_path_factory.mktemp("browse"))
-    sh("snakemake --profile pipelines/profiles/local --cores 2", clone)
+    clone = local_run(tmp_path_factory)
     port = free_port()
     # The command `make mlflow-ui` runs, as make prints it (-n: without running the venv step).
     recipe = sh(f"make --no-print-directory -n mlflow-ui MLFLOW_PORT={port}", clone)
     line = next(ln for ln in recipe.splitlines() if ln.startswith("mlflow server"))
     assert "--host 127.0.0.1" in line and str(clone / "mlflow.db") in line
     args = shlex.split(line)
-    log = open(clone / "mlflow-server.log", "w")
+    log = open(tmp_path_factory.mktemp("mlflow-server") / "server.log", "w")
     proc = subprocess.Popen([str(BIN / args[0]), *args[1:]], cwd=clone, env=env_for(clone), stdout=log,
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 180
         while True:
-            assert proc.poll() is None, (clone / "mlflow-server.log").read_text()[-3000:]
+            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
             try:
                 with urllib.request.urlopen(base + "/health", timeout=5) as resp:
                     if resp.status == 200:

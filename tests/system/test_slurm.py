@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import slurm
-from workspace import env_for, make_clone, output_hashes, sh
+from workspace import env_for, local_run, make_clone, output_hashes, sh
 
 pytestmark = pytest.mark.system
 STAGES = {"prepare_data", "tokenize", "pretrain", "eval_perplexity", "train_gnn", "report"}
@@ -37,8 +37,7 @@ def cluster(tmp_path_factory):
 
 
 def test_pipeline_through_slurm_equals_local_run(cluster, tmp_path_factory, mirror):
-    local = make_clone(tmp_path_factory.mktemp("local"))
-    sh("snakemake --profile pipelines/profiles/local --cores 2", local)
+    local = local_run(tmp_path_factory)
 
     remote = make_clone(tmp_path_factory.mktemp("slurm-run"))
     tracking = remote / "cluster-tracking.db"

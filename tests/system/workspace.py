@@ -54,6 +54,19 @@ def make_clone(dest: Path) -> Path:
     return dest
 
 
+_local_runs: dict[str, Path] = {}
+
+
+def local_run(tmp_path_factory) -> Path:
+    """A clone in which `snakemake --profile pipelines/profiles/local` ran the ci pipeline once; made on
+    first use and shared by the tests of one pytest session (they only read it)."""
+    if "ci" not in _local_runs:
+        clone = make_clone(tmp_path_factory.mktemp("local-run"))
+        sh("snakemake --profile pipelines/profiles/local --cores 2", clone)
+        _local_runs["ci"] = clone
+    return _local_runs["ci"]
+
+
 def output_hashes(root: Path, folders=("data", "reports")) -> dict[str, str]:
     """sha256 of every file under the pipeline's output folders, by path relative to root."""
     out = {}
