@@ -49,8 +49,10 @@ def make_clone(dest: Path) -> Path:
         if src.is_file():
             (dest / name.decode()).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name.decode())
+    # A fixed date: clones of the same tree get the same commit id, which stages record in their outputs.
     sh("git init -q && python -m pipelines.preset ci && git add -A && "
-       "git -c user.name=ci -c user.email=ci@localhost commit -qm clone", dest)
+       "git -c user.name=ci -c user.email=ci@localhost commit -qm clone", dest,
+       GIT_AUTHOR_DATE="2000-01-01T00:00:00Z", GIT_COMMITTER_DATE="2000-01-01T00:00:00Z")
     return dest
 
 
