@@ -3,7 +3,7 @@
 A scratch clone runs the ci pipeline; the server is started with the exact command of the Makefile's
 mlflow-ui target (on 127.0.0.1, a free port); its REST API must show every stage's run nested under the
 one parent run of the invocation, with metrics and artifacts; headless Chromium then renders the
-experiment page, whose DOM must list the runs. The screenshot is kept in tests/system/artifacts/.
+experiment page, whose DOM must list the runs. Screenshots of the runs page and of a stage's run page are kept in tests/system/artifacts/.
 The server is stopped by its PID.
 """
 
@@ -131,14 +131,15 @@ def test_experiment_page_lists_the_runs_in_chromium(server, tmp_path):
     assert f"{len(children) + 1} matching runs" in text, text[:3000]
 
     pretrain = next(r for r in children if r["info"]["run_name"] == "pretrain")
-    text = visible_text(render(f"{server}/#/experiments/{experiment_id}/runs/{pretrain['info']['run_id']}",
-                               tmp_path / "profile"))
+    run_page = f"{server}/#/experiments/{experiment_id}/runs/{pretrain['info']['run_id']}"
+    text = visible_text(render(run_page, tmp_path / "profile"))
     assert f"Parent run {parent['info']['run_name']}" in text, text[:3000]
     for metric in pretrain["data"]["metrics"]:
         assert metric["key"] in text, f"metric {metric['key']} not on the run page"
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    shot = ARTIFACTS / "mlflow-experiment.png"
-    shot.unlink(missing_ok=True)
-    render(runs_page, tmp_path / "profile", f"--screenshot={shot}")
-    assert shot.is_file() and shot.stat().st_size > 10_000, "Chromium wrote a screenshot of the page"
+    for page, name in ((runs_page, "mlflow-experiment.png"), (run_page, "mlflow-run-pretrain.png")):
+        shot = ARTIFACTS / name
+        shot.unlink(missing_ok=True)
+        render(page, tmp_path / "profile", f"--screenshot={shot}")
+        assert shot.is_file() and shot.stat().st_size > 10_000, f"Chromium wrote no screenshot of {page}"
