@@ -27,6 +27,7 @@ def test_profiles_load_and_name_their_executor():
     assert slurm["executor"] == "slurm"
     # Accounting (sacct) is often off; squeue always answers.
     assert slurm["slurm-status-command"] == "squeue" and slurm["slurm-requeue"] is True
+    assert slurm["slurm-keep-successful-logs"] is True
     assert slurm["default-resources"]["slurm_partition"]
 
 

@@ -9,8 +9,6 @@ root with the vfs storage driver and runc in a private storage folder, removed a
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -102,7 +100,8 @@ def lm_image(podman, base_image, tmp_path_factory) -> str:
     # The pinned packages as wheels, through the ordinary index (and any find-links pip is configured with).
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "-d", str(context / "wheels"),
                     "-r", str(ROOT / "requirements.lock")], check=True, timeout=1800)
-    podman("build", "--pull=never", "--network", "none", "--ulimit", "nofile=1024:1024",
+    # --layers=false: one commit at the end; with vfs every intermediate layer is a full copy of the image.
+    podman("build", "--pull=never", "--layers=false", "--network", "none", "--ulimit", "nofile=1024:1024",
            "--ulimit", "nproc=1024:1024", "--build-arg", f"BASE_IMAGE={base_image}",
            "--build-arg", "PIP_OPTIONS=--no-index --find-links /src/wheels",
            "-f", str(context / "containers/lm/Dockerfile"), "-t", IMAGE, str(context), timeout=2400)
@@ -120,16 +119,18 @@ def run_in(podman, image: str, *cmd: str, volumes=(), env=()) -> subprocess.Comp
 
 
 def test_lm_image_runs_a_stage(podman, lm_image, tmp_path, mirror):
-    help_text = run_in(podman, lm_image, "python", "-m", "stages.tokenize", "--help").stdout
-    assert "--input" in help_text and "--output" in help_text
-
-    # The image's own code (PYTHONPATH=/opt/pipeline); the work folder holds only params.yaml.
+    # The image's own code (PYTHONPATH=/opt/pipeline); the work folder holds only params.yaml. One
+    # container for both commands: with vfs, each new container copies the whole image.
     inside = tmp_path / "inside"
     inside.mkdir()
     ci_params(inside)
-    run_in(podman, lm_image, "python", "-m", "pipelines.launch", "prepare_data", "--output", "data/prepare_data",
-           volumes=[f"{inside}:/work", f"{MIRROR}:/mirror:ro"],
-           env=["PIPELINE_DATA_MIRROR=/mirror", "MLFLOW_TRACKING_URI=sqlite:////work/mlflow.db"])
+    proc = run_in(podman, lm_image, "sh", "-c",
+                  "python -m stages.tokenize --help && "
+                  "python -m pipelines.launch prepare_data --output data/prepare_data",
+                  volumes=[f"{inside}:/work", f"{MIRROR}:/mirror:ro"],
+                  env=["PIPELINE_DATA_MIRROR=/mirror", "MLFLOW_TRACKING_URI=sqlite:////work/mlflow.db"])
+    assert "--input" in proc.stdout and "--output" in proc.stdout, proc.stdout
+    assert "launch: /opt/venv/bin/python" in proc.stderr, "the stage ran on the image's Python"
 
     # The same stage on the host, with the host's packages: the same files, byte for byte.
     outside = tmp_path / "outside"
@@ -139,8 +140,6 @@ def test_lm_image_runs_a_stage(podman, lm_image, tmp_path, mirror):
                    env={**env_for(outside), "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{outside}/mlflow.db"},
                    check=True, capture_output=True, timeout=900)
     ours, theirs = output_hashes(inside, ("data",)), output_hashes(outside, ("data",))
-    assert ours and sorted(ours) == sorted(theirs)
+    assert len(ours) > 5 and sorted(ours) == sorted(theirs)
     differ = sorted(p for p in ours if ours[p] != theirs[p])
-    assert set(differ) <= {"data/prepare_data/meta.json"}, f"differ inside the container: {differ}"
-    meta = json.loads((inside / "data/prepare_data/meta.json").read_text())
-    assert meta, "the stage wrote its metadata inside the container"
+    assert differ == [], f"differ inside the container: {differ}"
