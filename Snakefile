@@ -68,7 +68,7 @@ for st in STAGES.values():
             gpus_per_node=st.resources["gpus_per_node"],
             # SLURM counts generic resources per node.
             **({"gres": f"gpu:{st.resources['gpus_per_node']}"} if st.resources["gpus_per_node"] and not CPU_ONLY else {}),
-        # Used with --software-deployment-method apptainer (containers/README.md).
+        # Used with --software-deployment-method apptainer (README: Containers).
         container: st.resources["container"]
         wildcard_constraints:
             item="|".join(st.foreach) or "[^/]+",

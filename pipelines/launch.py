@@ -15,10 +15,10 @@ first node (port 29400 + job id mod 1000, id = the job id):
     srun --overlap --nodes=N --ntasks-per-node=1 python -m torch.distributed.run --nnodes=N \
          --nproc-per-node=P --rdzv-backend=c10d --rdzv-endpoint=<first node>:<port> --rdzv-id=<job id> -m stages.<stage> ...
 
-Preemption: SLURM's warning signal (`sbatch --signal=USR1@<seconds>`, as the slurm profile asks) and
-SIGTERM are passed on to the stage as SIGTERM; the stage saves a checkpoint and exits 143. When the
-warning signal stopped it inside a SLURM job, the launcher requeues that job (`scontrol requeue`), and
-the job's next start resumes from the checkpoint.
+Preemption: SIGTERM (what SLURM sends at preemption and near the time limit) and SLURM's warning
+signal USR1 (`sbatch --requeue --signal=B:USR1@<seconds>`, for a stage submitted on its own) reach the
+stage as SIGTERM; it saves a checkpoint and exits 143. When the warning signal stopped it inside a SLURM
+job, the launcher requeues that job (`scontrol requeue`), whose next start resumes from the checkpoint.
 
 Outside Snakemake (under `dvc repro`), a stage that succeeds also drops Snakemake's provenance records
 of its outputs: they describe the previous Snakemake run, and would make Snakemake re-run a stage
