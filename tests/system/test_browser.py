@@ -24,7 +24,8 @@ import pytest
 
 from workspace import BIN, ROOT, env_for, local_run, sh
 
-pytestmark = pytest.mark.system
+# Image builds and pipeline runs outlast the suite's per-test limit on 2 shared cores.
+pytestmark = [pytest.mark.system, pytest.mark.timeout(1800)]
 ARTIFACTS = ROOT / "tests" / "system" / "artifacts"
 STAGES = {"prepare_data", "tokenize", "pretrain", "eval_perplexity", "train_gnn", "report"}
 

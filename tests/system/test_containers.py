@@ -19,7 +19,8 @@ import pytest
 from conftest import ci_params
 from workspace import BIN, MIRROR, ROOT, env_for, need_commands, need_root, output_hashes
 
-pytestmark = pytest.mark.system
+# Image builds and pipeline runs outlast the suite's per-test limit on 2 shared cores.
+pytestmark = [pytest.mark.system, pytest.mark.timeout(3600)]
 DOCKERFILES = sorted(ROOT.glob("containers/*/Dockerfile"))
 IMAGE = "localhost/pipeline-lm:test"
 BASE = "localhost/pipeline-base:bookworm"
@@ -98,8 +99,9 @@ def lm_image(podman, base_image, tmp_path_factory) -> str:
             (context / name.decode()).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, context / name.decode())
     # The pinned packages as wheels, through the ordinary index (and any find-links pip is configured with).
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "-d", str(context / "wheels"),
-                    "-r", str(ROOT / "requirements.lock")], check=True, timeout=1800)
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "-d", str(context / "wheels"),
+                           "-r", str(ROOT / "requirements.lock")], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, f"pip download of requirements.lock failed:\n{proc.stderr[-4000:]}"
     # --layers=false: one commit at the end; with vfs every intermediate layer is a full copy of the image.
     podman("build", "--pull=never", "--layers=false", "--network", "none", "--ulimit", "nofile=1024:1024",
            "--ulimit", "nproc=1024:1024", "--build-arg", f"BASE_IMAGE={base_image}",

@@ -19,7 +19,8 @@ import pytest
 import slurm
 from workspace import env_for, local_run, make_clone, output_hashes, sh
 
-pytestmark = pytest.mark.system
+# Image builds and pipeline runs outlast the suite's per-test limit on 2 shared cores.
+pytestmark = [pytest.mark.system, pytest.mark.timeout(3000)]
 STAGES = {"prepare_data", "tokenize", "pretrain", "eval_perplexity", "train_gnn", "report"}
 
 # Files whose bytes differ between two runs of the same code on the same data: the measured timings in
