@@ -128,12 +128,12 @@ def test_warning_signal_checkpoints_requeues_and_resumes(cluster, tmp_path_facto
         time.sleep(1)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
 
-    # A requeued job waits for its begin time; let it start again at once.
+    # A requeued job becomes eligible again after a delay (about 2 minutes); let it start at once.
     deadline = time.time() + 120
     while cluster.job(job_id)["Restarts"] == "0":
         assert time.time() < deadline, f"job {job_id} was not requeued: {cluster.job(job_id)}\n{log.read_text()[-3000:]}"
         time.sleep(1)
-    subprocess.run(["scontrol", "update", f"jobid={job_id}", "begintime=now"], capture_output=True)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
     info = cluster.wait_job(job_id, seconds=900)
     text = log.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text[-3000:]}"
