@@ -38,7 +38,7 @@ def test_hadolint_passes_every_dockerfile():
 
 def test_gnn_image_build_is_skipped_here():
     pytest.skip("containers/gnn: pyg-lib comes from the PyG wheel index (data.pyg.org), which this machine "
-                "cannot reach; its Dockerfile is linted and its pins checked in tests/test_containers.py")
+                "cannot reach; its Dockerfile is linted here and its pins checked in tests/test_cluster.py")
 
 
 class Podman:
