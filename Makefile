@@ -12,7 +12,7 @@ export PIPELINE_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shar
 TORCH_INDEX := $(if $(shell command -v nvidia-smi),,--extra-index-url https://download.pytorch.org/whl/cpu)
 MLFLOW_PORT ?= 5000
 
-.PHONY: run test venv dag bench mlflow-ui lock clean
+.PHONY: run test test-system venv dag bench mlflow-ui html-report lock clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,14 @@ run: $(STAMP)
 	snakemake --cores all
 
 test: $(STAMP)
-	python -m pytest -q tests
+	python -m pytest -q tests --ignore=tests/system
+
+# As root: a single-node SLURM running the pipeline, the stage containers built with podman, the MLflow
+# UI in headless Chromium (tests/system/). Installs the Debian packages they need first; each test that
+# cannot run here is skipped with the reason.
+test-system: $(STAMP)
+	bash tests/system/install.sh
+	python -m pytest -q tests/system
 
 dag: $(STAMP)
 	python -m pipelines.dag write
@@ -43,6 +50,10 @@ bench: $(STAMP)
 mlflow-ui: $(STAMP)
 	mlflow server --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1
 
+# One self-contained HTML page of the last run: results table, stage metrics, plots (report.html).
+html-report: $(STAMP)
+	python -m pipelines.html_report --output report.html
+
 # Re-resolve requirements.in and pin the result (torch stays at the version the Makefile installs).
 lock: $(STAMP)
 	$(VENV)/bin/pip install --quiet -r requirements.in
@@ -50,4 +61,4 @@ lock: $(STAMP)
 	mv requirements.lock.new requirements.lock
 
 clean:
-	rm -rf data/*/ reports/* logs .snakemake checkpoints mlflow.db mlflow.db.lock mlartifacts
+	rm -rf data/*/ reports/* logs .snakemake checkpoints mlflow.db mlflow.db.lock mlartifacts report.html

@@ -4,6 +4,7 @@
 #   snakemake --cores all                      # the whole pipeline (make run)
 #   snakemake --cores all tokenize             # one stage and what it needs
 #   snakemake --rulegraph | dot -Tpng > dag.png
+#   snakemake --profile pipelines/profiles/slurm   # one sbatch job per stage (pipelines/profiles/)
 #
 # After each stage, `dvc commit` records its outputs in dvc.lock (one commit at a time: DVC locks the
 # repository), so `dvc status` agrees with Snakemake about what is current.
@@ -19,6 +20,11 @@ from pipelines.sync import align_mtimes
 # One id per invocation groups this run's stages in MLflow (jobs, local or on a cluster, inherit it).
 os.environ.setdefault("PIPELINE_RUN_ID", "smk-" + uuid.uuid4().hex[:12])
 os.environ["PIPELINE_SNAKEMAKE"] = "1"  # tells pipelines.launch that Snakemake keeps its own records
+# --config mlflow_tracking_uri=...: the stages log there (a tracking server, for cluster runs).
+if config.get("mlflow_tracking_uri"):
+    os.environ["MLFLOW_TRACKING_URI"] = str(config["mlflow_tracking_uri"])
+# --config cpu_only=1: request no GPUs from the scheduler (clusters or test nodes without them).
+CPU_ONLY = bool(config.get("cpu_only"))
 
 STAGES = load_table()
 if workflow.is_main_process and not config.get("dump_rules") and not os.environ.get("PIPELINE_NO_SYNC"):
@@ -60,6 +66,10 @@ for st in STAGES.values():
             runtime=st.resources["runtime_min"],
             nodes=st.resources["nodes"],
             gpus_per_node=st.resources["gpus_per_node"],
+            # SLURM counts generic resources per node.
+            **({"gres": f"gpu:{st.resources['gpus_per_node']}"} if st.resources["gpus_per_node"] and not CPU_ONLY else {}),
+        # Used with --software-deployment-method apptainer (README: Containers).
+        container: st.resources["container"]
         wildcard_constraints:
             item="|".join(st.foreach) or "[^/]+",
         shell:
@@ -71,5 +81,6 @@ if config.get("dump_rules"):
     # The rules exactly as Snakemake holds them, for tests/test_dag.py.
     with open(config["dump_rules"], "w") as fh:
         json.dump({r.name: {"input": [str(i) for i in r.input], "output": [str(o) for o in r.output],
-                            "params": json.loads(r.params.sections), "cmd": r.params.cmd, "foreach": list(STAGES[r.name].foreach) if r.name in STAGES else None}
+                            "params": json.loads(r.params.sections), "cmd": r.params.cmd, "foreach": list(STAGES[r.name].foreach) if r.name in STAGES else None,
+                            "container": r.container_img}
                    for r in workflow.rules if r.name != "all"}, fh, indent=1)

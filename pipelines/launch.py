@@ -8,6 +8,18 @@ CPU, nccl on GPU; --standalone picks a free port, so parallel stages do not coll
 GPUs, a stage that asks for GPUs gets one process per visible GPU, up to `gpus_per_node`.
 `PIPELINE_NPROC_PER_NODE` overrides the process count for every stage.
 
+Inside a SLURM allocation of several nodes (a stage with `nodes: N > 1`, submitted by the slurm profile)
+it starts one `torchrun` per node with `srun`, all meeting at a c10d rendezvous on the allocation's
+first node (port 29400 + job id mod 1000, id = the job id):
+
+    srun --overlap --nodes=N --ntasks-per-node=1 python -m torch.distributed.run --nnodes=N \
+         --nproc-per-node=P --rdzv-backend=c10d --rdzv-endpoint=<first node>:<port> --rdzv-id=<job id> -m stages.<stage> ...
+
+Preemption: SIGTERM (what SLURM sends at preemption and near the time limit) and SLURM's warning
+signal USR1 (`sbatch --requeue --signal=B:USR1@<seconds>`, for a stage submitted on its own) reach the
+stage as SIGTERM; it saves a checkpoint and exits 143. When the warning signal stopped it inside a SLURM
+job, the launcher requeues that job (`scontrol requeue`), whose next start resumes from the checkpoint.
+
 Outside Snakemake (under `dvc repro`), a stage that succeeds also drops Snakemake's provenance records
 of its outputs: they describe the previous Snakemake run, and would make Snakemake re-run a stage
 that DVC has just brought up to date. Without them Snakemake judges those outputs by modification time.
@@ -35,7 +47,15 @@ def visible_gpus() -> int:
     return out.stdout.count("GPU ") if out.returncode == 0 else 0
 
 
-def command(stage: str, args: list[str]) -> list[str]:
+def slurm_hosts(env: dict) -> list[str]:
+    """The allocation's node names, in SLURM's order (the first one hosts the rendezvous)."""
+    out = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
+    env = os.environ if env is None else env
     name = stage.split("@", 1)[0]
     table = load_table()
     if name not in table:
@@ -44,11 +64,26 @@ def command(stage: str, args: list[str]) -> list[str]:
     nproc = int(res["nproc_per_node"])
     if res.get("gpus_per_node", 0) and visible_gpus():
         nproc = min(int(res["gpus_per_node"]), visible_gpus())
-    nproc = int(os.environ.get("PIPELINE_NPROC_PER_NODE", nproc))
+    nproc = int(env.get("PIPELINE_NPROC_PER_NODE", nproc))
+    nodes = int(res["nodes"])
     module = ["-m", f"stages.{name}", *args]
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes > 1:
+        if not env.get("SLURM_JOB_ID"):
+            raise SystemExit(f"launch: stage {name} asks for {nodes} nodes; run it in a SLURM allocation "
+                             "(snakemake --profile pipelines/profiles/slurm) or set its resources.nodes to 1")
+        have = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
+        if have < nodes:
+            raise SystemExit(f"launch: stage {name} asks for {nodes} nodes, the SLURM allocation has {have}")
+        job = int(env["SLURM_JOB_ID"])
+        endpoint = f"{slurm_hosts(env)[0]}:{29400 + job % 1000}"
+        # --overlap: the step Snakemake runs this launcher in already holds a task of the allocation.
+        return ["srun", "--overlap", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                *torchrun, f"--nnodes={nodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}", *module]
     if nproc <= 1:
         return [sys.executable, *module]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *module]
+    return [*torchrun, "--standalone", f"--nproc-per-node={nproc}", *module]
 
 
 def forget_snakemake_records(stage: str) -> None:
@@ -66,13 +101,34 @@ def main() -> None:
     cmd = command(sys.argv[1], sys.argv[2:])
     print("launch:", " ".join(cmd), file=sys.stderr, flush=True)
     child = subprocess.Popen(cmd)
-    # Preemption and time limits signal the launcher; the stage must hear them to checkpoint.
+    warned = []
+
+    # Preemption and time limits signal the launcher; the stage must hear them to checkpoint. Stages
+    # checkpoint on SIGTERM, so SLURM's warning signal (USR1) reaches them as SIGTERM.
+    def forward(signum, frame):
+        if signum == signal.SIGUSR1:
+            warned.append(signum)
+        child.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+        signal.signal(sig, forward)
     code = child.wait()
     if code == 0 and not os.environ.get("PIPELINE_SNAKEMAKE"):
         forget_snakemake_records(sys.argv[1])
+    if warned and code != 0 and os.environ.get("SLURM_JOB_ID"):
+        requeue(os.environ["SLURM_JOB_ID"], code)
     raise SystemExit(code)
+
+
+def requeue(job_id: str, code: int) -> None:
+    """Put the SLURM job back in the queue after the stage stopped on the warning signal; its next
+    start runs the same command, which resumes from the stage's checkpoint."""
+    print(f"launch: stage stopped on SLURM's warning signal (exit {code}); requeueing job {job_id}",
+          file=sys.stderr, flush=True)
+    proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"launch: scontrol requeue {job_id} failed: {proc.stderr.strip()} "
+              "(submit with --requeue, or re-run the pipeline to resume)", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,101 @@
+"""One self-contained HTML page of a pipeline run: the reproduced-results table, every stage's metrics
+and the plots, from what the `report` stage wrote (reports/results.json) and the plot files it lists.
+
+    python -m pipelines.html_report                       # reports/results.json -> report.html
+    python -m pipelines.html_report --results reports/results.json --output report.html
+
+Plots are embedded as data URIs, so the page needs no server and no network (open it anywhere, attach
+it to a CI run). It is written outside reports/, which DVC tracks as the report stage's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import json
+from pathlib import Path
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 80em; color: #1f272d; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; }
+th, td { border: 1px solid #c8ced3; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
+th { background: #eef1f3; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.pass { color: #277c43; font-weight: 600; } .fail { color: #c82d4c; font-weight: 600; }
+figure { display: inline-block; margin: 0 1em 1em 0; } img { max-width: 38em; border: 1px solid #c8ced3; }
+code { font-size: 0.9em; }
+"""
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def cell(value) -> str:
+    if isinstance(value, bool):
+        return f'<td class="{"pass" if value else "fail"}">{"PASS" if value else "FAIL"}</td>'
+    if isinstance(value, float):
+        return f'<td class="num">{value:.4g}</td>'
+    if isinstance(value, int):
+        return f'<td class="num">{value}</td>'
+    if isinstance(value, dict):  # data hashes: name and the hash's first 12 characters
+        return "<td>" + "<br>".join(f"<code>{html.escape(Path(k).name)}:{html.escape(str(v)[:12])}</code>"
+                                    for k, v in value.items()) + "</td>"
+    return f"<td>{html.escape(str(value))}</td>"
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(cell(v) for v in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def image(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return (f'<figure><img alt="{html.escape(str(path))}" src="data:image/png;base64,{data}">'
+            f"<figcaption><code>{html.escape(str(path))}</code></figcaption></figure>")
+
+
+def render(results: dict, root: Path) -> str:
+    fields = results["row_fields"]
+    parts = [f"<h1>Pipeline results</h1><p>Git commit: <code>{html.escape(results['git_commit'])}</code></p>",
+             "<h2>Reproduced results</h2>",
+             table(fields, [[row.get(f, "") for f in fields] for row in results["rows"]]) if results["rows"]
+             else "<p>No stage reproduced a published result in this run.</p>",
+             "<h2>Stage metrics</h2>"]
+    for stage, metrics in results["stage_metrics"].items():
+        parts += [f"<h3>{html.escape(stage)}</h3>", table(["metric", "value"], sorted(flatten(metrics).items()))]
+    plots = [p for p in results.get("plots", []) if str(p).endswith(".png")]
+    parts.append("<h2>Plots</h2>")
+    for plot in plots:
+        path = root / plot
+        parts.append(image(path) if path.is_file() else f"<p>missing plot <code>{html.escape(plot)}</code></p>")
+    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>Pipeline results</title>"
+            f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>\n")
+
+
+def main(argv=None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results", default="reports/results.json", help="what the report stage wrote")
+    ap.add_argument("--output", default="report.html")
+    args = ap.parse_args(argv)
+    results_path = Path(args.results)
+    if not results_path.is_file():
+        raise SystemExit(f"html_report: {results_path} not found; run the pipeline first (make run)")
+    results = json.loads(results_path.read_text())
+    # Plot paths in results.json are relative to the repository (where the report stage ran).
+    out = Path(args.output)
+    out.write_text(render(results, Path.cwd()))
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Cluster and container files: the Snakemake profiles, multi-node launch commands under SLURM, and the
+pinned container definitions named by every stage. (Running them for real: tests/system/, make test-system.)"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines import launch
+from pipelines.dag import Stage, load_table
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCK = dict(line.split("==", 1) for line in (ROOT / "requirements.lock").read_text().splitlines()
+            if "==" in line and not line.startswith("#"))
+
+
+def test_profiles_load_and_name_their_executor():
+    local = yaml.safe_load((ROOT / "pipelines/profiles/local/config.yaml").read_text())
+    slurm = yaml.safe_load((ROOT / "pipelines/profiles/slurm/config.yaml").read_text())
+    assert "executor" not in local and local["cores"] == "all"
+    assert slurm["executor"] == "slurm"
+    # Accounting (sacct) is often off; squeue always answers.
+    assert slurm["slurm-status-command"] == "squeue" and slurm["slurm-requeue"] is True
+    assert slurm["slurm-keep-successful-logs"] is True
+    assert slurm["default-resources"]["slurm_partition"]
+
+
+def with_resources(stage: str, **res) -> dict[str, Stage]:
+    table = load_table()
+    st = table[stage]
+    table[stage] = Stage(**{**st.__dict__, "resources": {**st.resources, **res}})
+    return table
+
+
+def test_multi_node_stage_starts_one_torchrun_per_node_with_c10d_on_the_first(monkeypatch):
+    monkeypatch.setattr(launch, "load_table", lambda: with_resources("pretrain", nodes=2, nproc_per_node=4))
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
+    seen = []
+    monkeypatch.setattr(launch, "slurm_hosts", lambda env: seen.append(env["SLURM_JOB_NODELIST"]) or ["gpu17", "gpu18"])
+    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[17-18]"}
+    cmd = launch.command("pretrain", ["--input", "data/tokenize"], env)
+    assert seen == ["gpu[17-18]"]
+    assert cmd[:5] == ["srun", "--overlap", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert cmd[5:8] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--nnodes=2" in cmd and "--nproc-per-node=4" in cmd and "--rdzv-backend=c10d" in cmd
+    assert "--rdzv-endpoint=gpu17:29642" in cmd and "--rdzv-id=4242" in cmd
+    assert cmd[-4:] == ["-m", "stages.pretrain", "--input", "data/tokenize"]
+
+    with pytest.raises(SystemExit, match="SLURM allocation"):
+        launch.command("pretrain", [], {})
+    with pytest.raises(SystemExit, match="has 1"):
+        launch.command("pretrain", [], {**env, "SLURM_JOB_NUM_NODES": "1"})
+
+
+def test_single_node_stage_keeps_a_standalone_rendezvous(monkeypatch):
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
+    cmd = launch.command("tokenize", [], {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1"})
+    assert "--standalone" in cmd and "srun" not in cmd
+
+
+def test_every_stage_names_a_container_that_is_defined_and_passed_to_snakemake(tmp_path):
+    dump = tmp_path / "rules.json"
+    subprocess.run([sys.executable, "-m", "snakemake", "--list-rules", "--config", f"dump_rules={dump}"],
+                   cwd=ROOT, check=True, capture_output=True)
+    rules = json.loads(dump.read_text())
+    for name, st in load_table().items():
+        image = st.resources["container"]
+        family = re.fullmatch(r"containers/(\w+)\.sif", image)
+        assert family, f"stage {name}: container {image!r} is not containers/<family>.sif"
+        for definition in ("Dockerfile", "apptainer.def"):
+            assert (ROOT / "containers" / family.group(1) / definition).is_file(), f"{name}: no {definition}"
+        assert rules[name]["container"] == image, f"rule {name} does not pass its container to Snakemake"
+    assert rules["train_gnn"]["container"] == "containers/gnn.sif"
+
+
+def definitions():
+    return sorted(ROOT.glob("containers/*/Dockerfile")) + sorted(ROOT.glob("containers/*/apptainer.def"))
+
+
+def test_container_definitions_pin_the_base_by_digest_and_packages_by_the_lock():
+    digests = set()
+    for path in definitions():
+        text = path.read_text()
+        base = re.findall(r"^(?:ARG BASE_IMAGE=|From:\s*)(\S+)", text, re.M)
+        assert base and all(re.search(r"@sha256:[0-9a-f]{64}$", b) for b in base), f"{path}: base not by digest"
+        digests.update(b.split("@", 1)[1] for b in base)
+        assert "requirements.lock" in text, f"{path}: does not install requirements.lock"
+        for name, version in re.findall(r"\b([A-Za-z][\w.-]*)==([\w.+-]+)", text):
+            if name in LOCK:
+                assert LOCK[name] == version, f"{path}: {name}=={version}, requirements.lock has {LOCK[name]}"
+            else:
+                assert name == "pyg-lib", f"{path}: {name} is pinned outside requirements.lock"
+    assert len(digests) == 1, f"one base image digest for every family: {digests}"
+    gnn = (ROOT / "containers/gnn/Dockerfile").read_text()
+    # pyg-lib wheels are built per torch release: the index must be the locked torch's.
+    assert f"torch-{LOCK['torch']}+" in gnn and f"torch-{LOCK['torch']}+" in (ROOT / "containers/gnn/apptainer.def").read_text()
