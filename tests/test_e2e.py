@@ -80,28 +80,32 @@ def mlflow_groups(clone: Path) -> dict[str, list[str]]:
 
 def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     out = sh("snakemake --cores 2", clone)
-    assert snakemake_ran(out) == {"prepare_data", "tokenize", "pretrain", "eval_perplexity", "train_gnn", "report"}
+    assert snakemake_ran(out) == {"prepare_data", "tokenize", "pretrain", "finetune_qlora", "eval_perplexity", "train_gnn",
+                                  "report"}
     assert UP_TO_DATE in sh("dvc status", clone), "snakemake commits every stage to dvc.lock"
     results = (clone / "reports/results.md").read_text()
     assert "| result | paper | published | ours | tolerance | pass | stage | git_commit | data_hashes |" in results
     assert "### tokenize" in results and (clone / "reports/results.json").is_file()
     assert "| GCN test accuracy on Cora (%), mean of 2 seeds | Kipf & Welling 2017 (GCN), Table 2 | 81.5 |" in results
     assert "data/train_gnn/plots/accuracy.png" in results
+    assert "## Comparison: finetune_qlora" in results and "| eval_loss |" in results.split("## Comparison")[1]
 
     assert "Nothing to be done" in sh("snakemake --cores 2", clone)
     assert dvc_ran(sh("dvc repro", clone)) == set()
 
     # A params change re-runs tokenize and what follows, never prepare_data or train_gnn (no path from tokenize).
     set_vocab(clone, 600)
-    assert snakemake_ran(sh("snakemake --cores 2", clone)) == {"tokenize", "pretrain", "eval_perplexity", "report"}
+    after_tokenize = {"tokenize", "pretrain", "finetune_qlora", "eval_perplexity", "report"}
+    assert snakemake_ran(sh("snakemake --cores 2", clone)) == after_tokenize
     assert UP_TO_DATE in sh("dvc status", clone)
     set_vocab(clone, 640)
-    assert dvc_ran(sh("dvc repro", clone)) == {"tokenize", "pretrain", "eval_perplexity@pretrain", "report"}
+    assert dvc_ran(sh("dvc repro", clone)) == {"tokenize", "pretrain", "finetune_qlora@nf4", "finetune_qlora@none",
+                                               "eval_perplexity@pretrain", "report"}
     assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone), "dvc repro results count for snakemake"
 
     # A deleted output re-runs its stage and its dependents only.
     sh("rm -rf data/tokenize", clone)
-    assert snakemake_ran(sh("snakemake --cores 2", clone)) == {"tokenize", "pretrain", "eval_perplexity", "report"}
+    assert snakemake_ran(sh("snakemake --cores 2", clone)) == after_tokenize
     assert UP_TO_DATE in sh("dvc status", clone)
     sh("rm -rf data/tokenize", clone)
     out = sh("dvc repro", clone)
@@ -118,7 +122,7 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     # One MLflow group per invocation that ran stages: three from snakemake, one from dvc repro.
     groups = mlflow_groups(clone)
     by_tool = {tool: sorted(str(v) for k, v in groups.items() if k.startswith(tool)) for tool in ("smk-", "dvc-")}
-    downstream = ["eval_perplexity", "pretrain", "report", "tokenize"]
+    downstream = ["eval_perplexity", "finetune_qlora", "finetune_qlora", "pretrain", "report", "tokenize"]
     full = sorted(["prepare_data", "train_gnn", *downstream])
     assert by_tool["smk-"] == sorted(map(str, [full, downstream, downstream]))
     assert by_tool["dvc-"] == [str(downstream)]
