@@ -14,7 +14,7 @@ import torch
 
 from stages import finetune_qlora as ft
 from stages import pretrain
-from stages.common import config, dist, loop
+from stages.common import config, dist, instructions, loop
 
 from conftest import loss_curve, run_stage
 
@@ -63,10 +63,10 @@ def eval_records(root):
     from transformers import AutoTokenizer
 
     cfg = config.load(ft.Config, ft.STAGE, root / "params.yaml", TINY)
-    records = ft.read_records(root / "data/prepare_data/instructions.jsonl")
-    x, y, _ = ft.encode(records, AutoTokenizer.from_pretrained(cfg.base), cfg.template, cfg.seq_length)
-    _, rows = ft.split(len(x), cfg.eval_fraction, cfg.seed)
-    return ft.Records(x[rows], y[rows], cfg.batch_size, cfg.seed), cfg
+    records = instructions.read_records(root / "data/prepare_data/instructions.jsonl")
+    x, y, _ = instructions.encode(records, AutoTokenizer.from_pretrained(cfg.base), cfg.template, cfg.seq_length)
+    _, rows = instructions.split(len(x), cfg.eval_fraction, cfg.seed)
+    return instructions.Records(x[rows], y[rows], cfg.batch_size, cfg.seed), cfg
 
 
 def eval_loss(model, root) -> float:
@@ -142,8 +142,8 @@ def test_only_response_tokens_carry_loss(base):
 
     tok = AutoTokenizer.from_pretrained(base / "data/pretrain/model")
     rec = {"instruction": "Name a colour.", "input": "", "output": "Blue."}
-    x, y, dropped = ft.encode([rec], tok, "short", 64)
-    prompt = tok(ft.prompt_of(rec, "short"), add_special_tokens=False)["input_ids"]
+    x, y, dropped = instructions.encode([rec], tok, "short", 64)
+    prompt = tok(instructions.prompt_of(rec, "short"), add_special_tokens=False)["input_ids"]
     response = tok("Blue.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     n = 1 + len(prompt) + len(response)  # bos + prompt + response + eos
     assert dropped == 0 and x.shape == y.shape == (1, 64)
@@ -160,18 +160,18 @@ def test_only_response_tokens_carry_loss(base):
     logits[0, ~keep] += 100 * torch.randn_like(logits[0, ~keep])
     assert loss == pytest.approx(want.item()) and loop.lm_loss(model, torch.from_numpy(x), torch.from_numpy(y)).item() == loss
     # A prompt that fills the sequence leaves no response token: the record is dropped.
-    assert ft.encode([{**rec, "instruction": "word " * 200}], tok, "short", 64)[2] == 1
+    assert instructions.encode([{**rec, "instruction": "word " * 200}], tok, "short", 64)[2] == 1
 
 
 def test_batches_are_a_pure_function_of_the_step():
     x = np.arange(10 * 4).reshape(10, 4)
-    src = ft.Records(x, x, global_batch=4, seed=3)
+    src = instructions.Records(x, x, global_batch=4, seed=3)
     first = [src.batch(s, 0, 4)[0] for s in range(5)]  # 20 rows: two epochs of 10
     assert sorted(torch.cat(first[:2] + [first[2][:2]])[:, 0].tolist()) == list(range(0, 40, 4))
     assert torch.equal(src.batch(3, 2, 2)[0], first[3][2:]), "rank slices of the global batch"
     assert torch.equal(src.batch(-2, 0, 4)[0][:, 0], torch.tensor([16, 20, 24, 28])), "eval batches in order"
-    train, held = ft.split(100, 0.1, seed=1)
-    assert len(held) == 10 and not set(train) & set(held) and (held == ft.split(100, 0.1, seed=1)[1]).all()
+    train, held = instructions.split(100, 0.1, seed=1)
+    assert len(held) == 10 and not set(train) & set(held) and (held == instructions.split(100, 0.1, seed=1)[1]).all()
 
 
 def test_errors_before_any_compute(base, tmp_path):
