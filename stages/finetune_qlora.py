@@ -92,7 +92,7 @@ class Config:
     """fsdp (FSDP2 fully_shard per decoder layer, then the root) | ddp."""
     activation_checkpointing: bool
     eval_every: int
-    """Eval loss every N steps and at the end (0: never)."""
+    """Eval loss every N steps (0: only once, at the end)."""
     eval_batches: int
     """Global batches of eval records per evaluation (0: enough to cover the eval records once)."""
     checkpoint_every: int
