@@ -39,7 +39,8 @@ def read_records(path: Path) -> list[dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise config.UserError(f"{path}:{n}: not JSON ({e.msg}); each line must be one record") from None
-            missing = [k for k in ("instruction", "output") if not isinstance(rec.get(k), str) or not rec[k].strip()]
+            rec = rec if isinstance(rec, dict) else {}
+            missing = [k for k in ("instruction", "output") if not isinstance(rec.get(k), str)]  # "" is an answer too
             if missing:
                 raise config.UserError(f"{path}:{n}: record lacks {' and '.join(missing)}; every record needs string "
                                        f"fields instruction and output (input optional), as prepare_data writes them")
