@@ -21,7 +21,7 @@ Run:
     python -m stages.finetune_qlora --input data/prepare_data --output data/finetune_qlora/nf4 [key=value ...]
     torchrun --nproc-per-node 2 -m stages.finetune_qlora --input data/prepare_data \\
         --output data/finetune_qlora/none quantization=none
-    snakemake --cores all finetune_qlora      # both variants; or: dvc repro finetune_qlora@nf4
+    snakemake --cores all data/finetune_qlora/nf4 data/finetune_qlora/none   # or: dvc repro finetune_qlora
 
 Output (data/finetune_qlora/<quantization>/):
     adapter/       the LoRA adapter in PEFT format: PeftModel.from_pretrained(base, "adapter")
