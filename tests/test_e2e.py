@@ -17,7 +17,7 @@ import pytest
 
 from conftest import MIRROR, ROOT
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]  # the DAG on 2 cores: 7 stages, 4 invocations
 UP_TO_DATE = "Data and pipelines are up to date."
 
 
