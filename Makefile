@@ -45,6 +45,7 @@ bench: $(STAMP)
 	python bench/pretrain_throughput.py
 	python bench/eval_throughput.py
 	python bench/gnn_epoch.py
+	python bench/qlora_memory.py
 
 # The MLflow UI on 127.0.0.1 only, over the embedded store that stages write (mlflow.db, mlartifacts/).
 mlflow-ui: $(STAMP)

@@ -13,6 +13,8 @@ Each stage's output folder may hold
 
 Every row of the report has one schema (ROW_FIELDS): result, paper, relation, published figure,
 ours, tolerance, pass (ours against published under the relation), stage, git commit, data hashes.
+A stage run once per item (data/<stage>/<item>, e.g. finetune_qlora/nf4 and finetune_qlora/none)
+also gets a comparison table: the metrics its items share, one column per item.
 
 Run:
     python -m stages.report --output reports --inputs data/prepare_data data/tokenize ...
@@ -96,6 +98,12 @@ def render_markdown(doc: dict) -> str:
         lines += [f"### {label}", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {fmt(v)} |" for k, v in sorted(track.flatten(metrics).items())]
         lines.append("")
+    for stage, items in doc["comparisons"].items():
+        flat = {item: track.flatten(metrics) for item, metrics in items.items()}
+        keys = sorted(set.intersection(*(set(m) for m in flat.values())))
+        lines += [f"## Comparison: {stage}", "", "| metric | " + " | ".join(flat) + " |", "|---|" + "---|" * len(flat)]
+        lines += [f"| {k} | " + " | ".join(fmt(m[k]) for m in flat.values()) + " |" for k in keys]
+        lines.append("")
     if doc["plots"]:
         lines += ["## Plots", ""]
         for plot in doc["plots"]:
@@ -120,7 +128,17 @@ def build_report(inputs: list[Path]) -> dict:
         rows += read_rows(folder, label, commit, data_files)
         plots += sorted(str(p) for p in folder.glob("plots/*.png"))
     return {"git_commit": commit, "row_fields": list(ROW_FIELDS), "rows": rows,
-            "stage_metrics": stage_metrics, "plots": plots}
+            "stage_metrics": stage_metrics, "comparisons": comparisons(stage_metrics), "plots": plots}
+
+
+def comparisons(stage_metrics: dict) -> dict:
+    """{stage: {item: metrics}} for every stage run once per item with two items or more."""
+    groups: dict[str, dict] = {}
+    for label, metrics in stage_metrics.items():
+        stage, sep, item = label.partition("/")
+        if sep:
+            groups.setdefault(stage, {})[item] = metrics
+    return {stage: items for stage, items in groups.items() if len(items) > 1}
 
 
 def main(argv=None) -> dict:

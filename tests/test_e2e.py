@@ -21,8 +21,9 @@ from conftest import MIRROR, ROOT
 pytestmark = pytest.mark.e2e
 UP_TO_DATE = "Data and pipelines are up to date."
 # What a change to tokenize re-runs (Snakemake rule names; DVC stage names).
-DOWNSTREAM = {"tokenize", "pretrain", "extend_context", "eval_perplexity", "context_study", "report"}
-DOWNSTREAM_DVC = DOWNSTREAM - {"eval_perplexity"} | {"eval_perplexity@pretrain", "eval_perplexity@extend_context"}
+DOWNSTREAM = {"tokenize", "pretrain", "extend_context", "finetune_qlora", "eval_perplexity", "context_study", "report"}
+DOWNSTREAM_DVC = DOWNSTREAM - {"finetune_qlora", "eval_perplexity"} | {
+    "finetune_qlora@nf4", "finetune_qlora@none", "eval_perplexity@pretrain", "eval_perplexity@extend_context"}
 
 
 def sh(cmd: str, cwd: Path) -> str:
@@ -82,7 +83,7 @@ def mlflow_groups(clone: Path) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in groups.items()}
 
 
-@pytest.mark.timeout(2400)  # the whole DAG, then its downstream part four more times
+@pytest.mark.timeout(3600)  # the whole DAG on 2 cores, then its downstream part four more times
 def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     out = sh("snakemake --cores 2", clone)
     assert snakemake_ran(out) == {"prepare_data", *DOWNSTREAM, "train_gnn"}
@@ -97,6 +98,7 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     assert study["lengths"] == [64, 128, 256, 512] and len(study["perplexity"]) == 10
     assert all(len(row) == 4 for row in study["perplexity"].values())
     assert "| unscaled: perplexity at 2L / at L | Chen et al. 2023 (Position Interpolation) | >= | 1.2 |" in results
+    assert "## Comparison: finetune_qlora" in results and "| eval_loss |" in results.split("## Comparison")[1]
 
     assert "Nothing to be done" in sh("snakemake --cores 2", clone)
     assert dvc_ran(sh("dvc repro", clone)) == set()
@@ -128,7 +130,7 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     # One MLflow group per invocation that ran stages: three from snakemake, one from dvc repro.
     groups = mlflow_groups(clone)
     by_tool = {tool: sorted(str(v) for k, v in groups.items() if k.startswith(tool)) for tool in ("smk-", "dvc-")}
-    downstream = sorted(["eval_perplexity", *DOWNSTREAM])  # eval_perplexity runs once per model folder
+    downstream = sorted(["eval_perplexity", "finetune_qlora", *DOWNSTREAM])  # each runs twice (two items)
     full = sorted(["prepare_data", "train_gnn", *downstream])
     assert by_tool["smk-"] == sorted(map(str, [full, downstream, downstream]))
     assert by_tool["dvc-"] == [str(downstream)]

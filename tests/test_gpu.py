@@ -52,3 +52,23 @@ def test_extend_context_fine_tunes_yarn_in_bf16(tokenized):
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         logits = model(torch.randint(0, 256, (1, 4 * 64), device="cuda")).logits  # beyond the trained 64
     assert torch.isfinite(logits).all()
+
+
+def test_qlora_with_bf16_storage_and_compute_under_fsdp_and_nccl(tokenized):
+    """NF4 base with bf16 quant storage and compute, adapters in bf16 (one dtype for FSDP to shard),
+    2 processes under nccl where there are 2 GPUs; the merged model is saved in fp32."""
+    nproc = min(2, torch.cuda.device_count())
+    run_stage("pretrain", ["--input", "data/tokenize", "--output", "qbase", *TINY], cwd=tokenized)
+    args = ["--input", "data/prepare_data", "--output", "qlora", "base=qbase/model", "template=short", "seq_length=64",
+            "steps=6", "batch_size=8", "micro_batch_size=2", "lr=0.01", "lora_r=4", "eval_every=3", "checkpoint_every=0"]
+    run_stage("finetune_qlora", args, cwd=tokenized, nproc=nproc)
+    meta = json.loads((tokenized / "qlora/meta.json").read_text())
+    assert meta["storage_dtype"] == meta["compute_dtype"] == "torch.bfloat16" and meta["world_size"] == nproc
+    metrics = json.loads((tokenized / "qlora/metrics.json").read_text())
+    assert np.isfinite(metrics["eval_loss"]) and 4.1 < metrics["linear_weight_bits_per_weight"] < 4.2
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(tokenized / "qlora/model")
+    assert next(merged.parameters()).dtype == torch.float32
+    assert PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tokenized / "qbase/model"), tokenized / "qlora/adapter")

@@ -91,3 +91,16 @@ def test_bad_rows_and_missing_inputs_are_clear_errors(tree):
     with pytest.raises(config.UserError, match="data/missing not found"):
         report.main(["--output", "reports", "--inputs", "data/missing"])
     assert not (tree / "reports").exists()
+
+
+def test_items_of_one_stage_are_compared_side_by_side(tree):
+    stage_folder(tree, "finetune_qlora/nf4", metrics={"eval_loss": 2.01, "peak_memory_mb": 700, "bits": 4.1})
+    stage_folder(tree, "finetune_qlora/none", metrics={"eval_loss": 2.0, "peak_memory_mb": 900})
+    stage_folder(tree, "eval_perplexity/pretrain", metrics={"nll": 3.0})
+    doc = report.main(["--output", "reports", "--inputs", "data/finetune_qlora/nf4", "data/finetune_qlora/none",
+                       "data/eval_perplexity/pretrain"])
+    assert list(doc["comparisons"]) == ["finetune_qlora"], "one item alone is no comparison"
+    md = (tree / "reports/results.md").read_text()
+    assert "## Comparison: finetune_qlora\n\n| metric | nf4 | none |\n|---|---|---|\n" in md
+    assert "| eval_loss | 2.01 | 2 |\n| peak_memory_mb | 700 | 900 |\n" in md
+    assert "| bits |" not in md.split("## Comparison")[1], "only the metrics every item has"

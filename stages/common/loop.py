@@ -1,4 +1,4 @@
-"""The one training loop of the codebase: pretrain and extend_context both call `train()`.
+"""The one training loop of the codebase: pretrain, extend_context and finetune_qlora call `train()`.
 
 It owns what every causal-LM training run needs: data parallelism (DDP, or FSDP2 `fully_shard` per
 decoder layer then the root), AdamW with weight-decay groups, linear warmup + cosine decay, gradient
@@ -8,7 +8,12 @@ complete checkpoint.
 
 Batches are a pure function of (seed, step): each step draws `batch_size` windows from the token
 stream with a generator seeded by both, and rank r takes its slice. So the data position is the step,
-and the losses do not depend on the number of processes or on where a run was resumed.
+and the losses do not depend on the number of processes or on where a run was resumed. Other data
+(instruction records) comes as a batch source with the same `batch(step, index, size)` method; its
+targets may hold IGNORE_INDEX where no loss is taken (prompt tokens, padding).
+
+A model whose base is frozen (LoRA adapters on a quantized base) trains only its trainable
+parameters, and its checkpoints hold only those (the frozen base is reloaded from its source).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from stages.common import ckpt, dist
 
 STRATEGIES = ("ddp", "fsdp")
+IGNORE_INDEX = -100  # targets that carry no loss
 
 
 @dataclass(frozen=True)
@@ -100,9 +106,16 @@ class Windows:
         return rows[:, :-1], rows[:, 1:]
 
 
+def decoder_layers(model):
+    """The decoder blocks of a causal LM, also under a PEFT wrapper (each is one FSDP unit)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.model.layers
+
+
 def wrap(model, cfg: LoopConfig, rt: dist.Runtime):
     """Put the model on the device and under DDP or FSDP2 (one process: unwrapped)."""
-    model.to(rt.device)
+    if any(p.device != rt.device for p in model.parameters()):
+        model.to(rt.device)  # quantized models are loaded onto their device already
     if cfg.activation_checkpointing:
         model.activation_checkpointing_enable()
     if not rt.distributed:
@@ -119,7 +132,7 @@ def wrap(model, cfg: LoopConfig, rt: dist.Runtime):
     kwargs = {"mesh": mesh}
     if dist.compute_dtype(rt.device) == torch.bfloat16:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):
         if cfg.compile:
             layer.compile()
         fully_shard(layer, **kwargs)
@@ -135,11 +148,28 @@ def make_optimizer(model, cfg: LoopConfig):
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
+def _fqn(name: str) -> str:
+    """A parameter name as torch.distributed.checkpoint writes it (no DDP/compile wrapper prefixes)."""
+    return ".".join(part for part in name.split(".") if part not in ("module", "_orig_mod", "_fsdp_wrapped_module"))
+
+
+def state_dicts(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
+    """Model and optimizer state for a checkpoint. With a frozen base only the trainable parameters
+    (quantized bases also put packing statistics in the state dict; those are left out too)."""
+    trainable = {_fqn(n) for n, p in model.named_parameters() if p.requires_grad}
+    frozen = any(not p.requires_grad for p in model.parameters())
+    options = StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else StateDictOptions()
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    if frozen:
+        model_sd = {k: v for k, v in model_sd.items() if k in trainable}
+    return model_sd, optim_sd, options
+
+
 def save_checkpoint(folder: Path, step: int, model, optimizer, history: list, rt: dist.Runtime, keep: int = 2) -> Path:
     """Sharded model + optimizer state (every rank writes its shard), plus step, loss history and RNG
     state; published by renaming, so a crash mid-write leaves no `step-*` folder behind."""
     final = folder / f"step-{step}"
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd, _ = state_dicts(model, optimizer)
     with ckpt.atomic_dir(final, rt) as tmp:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
         if rt.is_main:
@@ -155,24 +185,26 @@ def save_checkpoint(folder: Path, step: int, model, optimizer, history: list, rt
 
 
 def load_checkpoint(path: Path, model, optimizer) -> dict:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd, options = state_dicts(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / "state"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     extra = torch.load(path / "extra.pt", weights_only=False)
     torch.set_rng_state(extra["torch_rng"])
     return extra
 
 
 def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; y is x shifted by one, (B, T) each. Logits in fp32."""
+    """Mean next-token cross-entropy over targets other than IGNORE_INDEX; y is x shifted by one,
+    (B, T) each. Logits in fp32."""
     logits = model(input_ids=x, use_cache=False).logits  # (B, T, V); no KV cache while training
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
 
 
 @torch.no_grad()
-def evaluate(model, windows: Windows, cfg: LoopConfig, rt: dist.Runtime) -> float:
-    """Mean loss over `eval_batches` global batches of fixed validation windows (same every call)."""
+def evaluate(model, windows, cfg: LoopConfig, rt: dist.Runtime) -> float:
+    """Mean loss over `eval_batches` global batches of fixed validation windows (same every call);
+    `windows` is a Windows or another batch source."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=rt.device)
     for b in range(cfg.eval_batches):
@@ -188,17 +220,19 @@ def evaluate(model, windows: Windows, cfg: LoopConfig, rt: dist.Runtime) -> floa
     return (total[0] / total[1]).item()
 
 
-def train(model, train_tokens: np.ndarray, val_tokens: np.ndarray, cfg: LoopConfig, rt: dist.Runtime,
+def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
           ckpt_folder: Path, tracker, stop: dist.StopFlag) -> dict:
-    """Train `model` (a transformers causal LM) for cfg.steps optimizer steps, resuming from the newest
-    checkpoint in `ckpt_folder`. Returns history (per-step loss/lr, validation losses), the wrapped
-    model, and whether SIGTERM stopped it early (a checkpoint was written)."""
+    """Train `model` (a transformers causal LM, or a PEFT model around one) for cfg.steps optimizer
+    steps, resuming from the newest checkpoint in `ckpt_folder`. The data are token streams (np.ndarray,
+    cut into Windows) or batch sources with `batch(step, index, size) -> (inputs, targets)`. Returns
+    history (per-step loss/lr, validation losses), the wrapped model, and whether SIGTERM stopped it
+    early (a checkpoint was written)."""
     accum = grad_accum_steps(cfg, rt.world_size)
     fpt = flops_per_token(model, cfg.context_length)
     model = wrap(model, cfg, rt)
     optimizer = make_optimizer(model, cfg)
-    train_w = Windows(train_tokens, cfg.context_length, cfg.seed)
-    val_w = Windows(val_tokens, cfg.context_length, cfg.seed)
+    train_w = Windows(train_data, cfg.context_length, cfg.seed) if isinstance(train_data, np.ndarray) else train_data
+    val_w = Windows(val_data, cfg.context_length, cfg.seed) if isinstance(val_data, np.ndarray) else val_data
     history = {"step": [], "loss": [], "lr": [], "val_step": [], "val_loss": []}
     start = 0
     latest = ckpt.latest_checkpoint(ckpt_folder)
@@ -265,7 +299,12 @@ def train(model, train_tokens: np.ndarray, val_tokens: np.ndarray, cfg: LoopConf
             "tokens_per_s": tps, "mfu": fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12)}
 
 
-def full_state_dict(model, rt: dist.Runtime) -> dict:
-    """The whole model's state on CPU, on rank 0 (gathered from FSDP shards or taken from DDP)."""
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_state_dict(model, rt: dist.Runtime, trainable_only: bool = False) -> dict:
+    """The whole model's state on CPU, on rank 0 (gathered from FSDP shards or taken from DDP);
+    with `trainable_only`, just the trainable parameters (the adapters of a frozen base)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    sd = get_model_state_dict(model, options=options)
+    if trainable_only:
+        names = {_fqn(n) for n, p in model.named_parameters() if p.requires_grad}
+        sd = {k: v for k, v in sd.items() if _fqn(k) in names}
     return {k.removeprefix("_orig_mod."): v for k, v in sd.items()} if rt.is_main else {}

@@ -1,0 +1,382 @@
+"""finetune_qlora: instruction-tune a causal LM with LoRA adapters on a 4-bit NF4 base, under FSDP2.
+
+Loads the base model (`base`: a Hugging Face folder such as the pretrain stage's model, or a hub id)
+with `BitsAndBytesConfig` (NF4, double quantization, compute dtype, and a quant storage dtype equal to
+the dtype FSDP shards: fp32 on CPU, bf16 on GPU), adds PEFT LoRA adapters to the linear layers in
+`target_modules`, and trains only the adapters with the codebase's one loop (stages/common/loop.py:
+FSDP2 `fully_shard` per decoder layer then the root, AdamW, warmup + cosine, accumulation, clipping,
+activation checkpointing, checkpoints and exact resume). `quantization: none` runs the same stage on
+the unquantized base: the 16-bit (fp32 on CPU) LoRA baseline of the comparison.
+
+Data: Alpaca-format records (instruction, input, output) from prepare_data's instructions.jsonl (or
+any .jsonl given as --input). Each record becomes `bos + prompt + response + eos` with the Alpaca
+prompt template; only response tokens (and the eos) carry loss, prompt and padding targets are -100.
+Records are split into train/eval by a seeded permutation; a record whose prompt leaves no room
+for a response within `seq_length` tokens is dropped, a longer response is cut.
+
+Checkpoints (adapters, optimizer, step, RNG; the data position is the step) live in
+checkpoints/finetune_qlora/<hash of params and inputs>/step-<n>/; re-running resumes from the newest.
+
+Run:
+    python -m stages.finetune_qlora --input data/prepare_data --output data/finetune_qlora/nf4 [key=value ...]
+    torchrun --nproc-per-node 2 -m stages.finetune_qlora --input data/prepare_data \\
+        --output data/finetune_qlora/none quantization=none
+    snakemake --cores all data/finetune_qlora/nf4 data/finetune_qlora/none   # or: dvc repro finetune_qlora
+
+Output (data/finetune_qlora/<quantization>/):
+    adapter/       the LoRA adapter in PEFT format: PeftModel.from_pretrained(base, "adapter")
+    model/         the merged model in full precision (base dequantized + adapter) with the tokenizer:
+                   AutoModelForCausalLM.from_pretrained("model")
+    metrics.json   eval/train loss, tokens/s, peak process memory, linear-layer weight memory
+    results.json   report rows (NF4 weight memory against 16-bit, as in the QLoRA paper)
+    plots/loss.csv, plots/loss.png   the loss curves (DVC plots)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import re
+import resource
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stages.common import ckpt, config, dist, instructions, loop, track
+
+STAGE = "finetune_qlora"
+QUANTIZATIONS = ("nf4", "none")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# QLoRA (Dettmers et al. 2023), section 3: NF4 with double quantization stores 4 + 0.127 bits per weight.
+NF4_BITS_PER_WEIGHT = 4.127
+
+
+@dataclass(frozen=True)
+class Config:
+    base: str
+    """The model to fine-tune: a Hugging Face folder (the pretrain stage's model) or a hub model id."""
+    quantization: str
+    """nf4 (QLoRA: 4-bit NormalFloat base, double quantization) | none (LoRA on the unquantized base)."""
+    quant_storage: str
+    """dtype the packed 4-bit weights are stored in: auto (= compute dtype, what FSDP can shard), float32, bfloat16, uint8."""
+    double_quant: bool
+    """Quantize the quantization constants too (QLoRA's double quantization)."""
+    lora_r: int
+    lora_alpha: float
+    lora_dropout: float
+    target_modules: tuple[str, ...]
+    """Module name suffixes that get adapters, or [all-linear] (every linear layer but the output head)."""
+    template: str
+    """Prompt template: alpaca (the Stanford Alpaca prompt) | short (its instruction/input/response headers only)."""
+    seq_length: int
+    """Tokens per training sequence; shorter records are padded, longer responses cut."""
+    eval_fraction: float
+    """Share of the records held out for eval loss (at least one)."""
+    steps: int
+    batch_size: int
+    """Records per optimizer step over all processes."""
+    micro_batch_size: int
+    """Records per forward pass per process; accumulation = batch_size / (micro_batch_size x processes)."""
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    weight_decay: float
+    beta1: float
+    beta2: float
+    grad_clip: float
+    strategy: str
+    """fsdp (FSDP2 fully_shard per decoder layer, then the root) | ddp."""
+    activation_checkpointing: bool
+    eval_every: int
+    """Eval loss every N steps (0: only once, at the end)."""
+    eval_batches: int
+    """Global batches of eval records per evaluation (0: enough to cover the eval records once)."""
+    checkpoint_every: int
+    """Save a checkpoint every N steps (0: only on SIGTERM)."""
+    log_every: int
+    seed: int
+    peak_tflops: float
+    """Peak dense FLOP/s of one process's device, in TFLOP/s, for MFU."""
+
+    def __post_init__(self):
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: unknown {self.quantization!r}; valid: {', '.join(QUANTIZATIONS)}")
+        if self.quant_storage != "auto" and self.quant_storage not in DTYPES:
+            raise ValueError(f"quant_storage: unknown dtype {self.quant_storage!r}; valid: auto, {', '.join(DTYPES)}")
+        if self.strategy not in loop.STRATEGIES:
+            raise ValueError(f"strategy: unknown strategy {self.strategy!r}; valid: {', '.join(loop.STRATEGIES)}")
+        if self.template not in ("alpaca", "short"):
+            raise ValueError(f"template: unknown template {self.template!r}; valid: alpaca, short")
+        if not self.target_modules:
+            raise ValueError("target_modules must name at least one module (or [all-linear])")
+        if not 0 < self.eval_fraction < 1:
+            raise ValueError(f"eval_fraction must be between 0 and 1, got {self.eval_fraction}")
+        if min(self.lora_r, self.seq_length, self.steps, self.batch_size, self.micro_batch_size, self.log_every) < 1:
+            raise ValueError("lora_r, seq_length, steps, batch_size, micro_batch_size and log_every must be >= 1")
+        if min(self.warmup_steps, self.eval_every, self.eval_batches, self.checkpoint_every) < 0:
+            raise ValueError("warmup_steps, eval_every, eval_batches and checkpoint_every must be >= 0")
+
+
+def loop_config(cfg: Config, eval_batches: int) -> loop.LoopConfig:
+    names = {f.name for f in dataclasses.fields(loop.LoopConfig)}
+    values = {k: v for k, v in dataclasses.asdict(cfg).items() if k in names} | {"eval_batches": eval_batches}
+    # compile stays off: bitsandbytes' 4-bit kernels are opaque to torch.compile
+    return loop.LoopConfig(**values, context_length=cfg.seq_length, compile=False)
+
+
+# ----------------------------------------------------------------------------------------------- model
+def storage_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    return dist.compute_dtype(device) if cfg.quant_storage == "auto" else DTYPES[cfg.quant_storage]
+
+
+def check_base(cfg: Config) -> dict:
+    """The base model's config, checked before any compute: weights present, target modules exist."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(cfg.base)
+    if path.exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", cfg.base):  # a folder, not an org/name hub id
+        if not (path / "config.json").is_file():
+            raise config.UserError(f"finetune_qlora.base: {path} holds no config.json; run the pretrain stage first "
+                                   f"or set finetune_qlora.base to a model folder or hub id")
+        if not any((path / w).is_file() for w in WEIGHT_FILES):
+            raise config.UserError(f"finetune_qlora.base: {path} has no weights ({' or '.join(WEIGHT_FILES[:2])}); "
+                                   f"re-run the stage that wrote it or point base at a complete model folder")
+    try:
+        mc = AutoConfig.from_pretrained(cfg.base)
+    except OSError as e:
+        raise config.UserError(f"finetune_qlora.base: cannot load {cfg.base!r} ({str(e).splitlines()[0]}); "
+                               f"give a model folder or a hub model id") from None
+    if "all-linear" not in cfg.target_modules:
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(mc)
+        linear = {name.rsplit(".", 1)[-1] for name, m in shell.named_modules() if isinstance(m, torch.nn.Linear)}
+        unknown = [t for t in cfg.target_modules if t not in linear]
+        if unknown:
+            raise config.UserError(f"finetune_qlora.target_modules: {', '.join(unknown)} match no linear layer of "
+                                   f"{cfg.base}; its linear layers are {', '.join(sorted(linear))} (or use [all-linear])")
+    return mc.to_dict()
+
+
+def check_parallelism(cfg: Config, rt: dist.Runtime) -> None:
+    """FSDP flattens and shards parameters of one dtype: the packed 4-bit weights must share the dtype
+    of the other parameters (norms, embeddings, adapters)."""
+    storage, compute = storage_dtype(cfg, rt.device), dist.compute_dtype(rt.device)
+    if cfg.quantization == "nf4" and cfg.strategy == "fsdp" and rt.distributed and storage != compute:
+        raise config.UserError(
+            f"finetune_qlora.quant_storage={cfg.quant_storage}: FSDP cannot shard {storage} packed weights beside "
+            f"{compute} parameters; set quant_storage: auto ({str(compute).removeprefix('torch.')} here) or strategy: ddp")
+
+
+def load_base(cfg: Config, device: torch.device, quantized: bool):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = dist.compute_dtype(device)
+    kwargs = {"dtype": dtype, "device_map": {"": device}}
+    if quantized:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=cfg.double_quant,
+            bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=storage_dtype(cfg, device))
+    return AutoModelForCausalLM.from_pretrained(cfg.base, **kwargs)
+
+
+def lora_config(cfg: Config):
+    from peft import LoraConfig
+
+    targets = "all-linear" if "all-linear" in cfg.target_modules else list(cfg.target_modules)
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=targets, task_type="CAUSAL_LM")
+
+
+def add_adapters(model, cfg: Config):
+    from peft import get_peft_model
+
+    # Adapters in the dtype of the base (no fp32 upcast under bf16): FSDP shards parameters of one dtype.
+    return get_peft_model(model, lora_config(cfg), autocast_adapter_dtype=False)
+
+
+def linear_weight_memory(model) -> tuple[int, int]:
+    """(bytes the decoder layers' linear weights take as stored, how many weights they represent).
+    4-bit layers count their packed weights and per-block constants; the NF4 and 8-bit code tables
+    (16 and 256 values per layer, the same in every layer) are left out, as in the QLoRA paper."""
+    stored = count = 0
+    for layer in loop.decoder_layers(model):
+        for mod in layer.modules():
+            if not isinstance(mod, torch.nn.Linear):  # bitsandbytes' Linear4bit is one too
+                continue
+            w = mod.weight
+            stored += w.numel() * w.element_size()
+            qs = getattr(w, "quant_state", None)
+            if qs is not None:
+                stored += qs.absmax.numel() * qs.absmax.element_size()
+                if qs.nested:
+                    stored += qs.state2.absmax.numel() * qs.state2.absmax.element_size() + 4  # + the fp32 offset
+            count += mod.in_features * mod.out_features
+    return stored, count
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak resident memory of this process (on GPU: peak allocated device memory), MiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+def save_adapter_and_merged(tmp: Path, adapter_sd: dict, cfg: Config, tok, device: torch.device) -> None:
+    """adapter/ in PEFT format, then model/: the base dequantized to fp32 with the adapter merged in."""
+    from peft import PeftModel
+
+    quantized = cfg.quantization == "nf4"
+    model = add_adapters(load_base(cfg, device, quantized), cfg)
+    missing, unexpected = model.load_state_dict(adapter_sd, strict=False)
+    lora_missing = [k for k in missing if "lora_" in k]
+    if unexpected or lora_missing or not adapter_sd:
+        raise RuntimeError(f"adapter state does not fit the model: unexpected {unexpected[:3]}, missing {lora_missing[:3]}")
+    model.save_pretrained(tmp / "adapter")
+    del model
+    gc.collect()
+    base = load_base(cfg, device, quantized)
+    # Dequantized weights are exactly what the trained model computed with (not the original fp weights).
+    base = base.dequantize(dtype=torch.float32) if quantized else base.float()
+    merged = PeftModel.from_pretrained(base, tmp / "adapter").merge_and_unload()
+    merged.to("cpu").save_pretrained(tmp / "model")
+    tok.save_pretrained(tmp / "model")
+
+
+def write_plots(tmp: Path, hist: dict, cfg: Config) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (tmp / "plots").mkdir()
+    val = dict(zip(hist["val_step"], hist["val_loss"]))
+    with open(tmp / "plots/loss.csv", "w") as fh:
+        fh.write("step,train_loss,eval_loss\n")
+        for s, l in zip(hist["step"], hist["loss"]):
+            fh.write(f"{s},{l:.6f},{val[s]:.6f}\n" if s in val else f"{s},{l:.6f},\n")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(hist["step"], hist["loss"], label="train (response tokens)")
+    if val:
+        ax.plot(list(val), list(val.values()), "o-", label="eval")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"finetune_qlora: LoRA r={cfg.lora_r}, base {cfg.quantization}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(tmp / "plots/loss.png", dpi=100)
+    plt.close(fig)
+
+
+def result_rows(cfg: Config, metrics: dict) -> list[dict]:
+    if cfg.quantization != "nf4" or not cfg.double_quant:
+        return []
+    return [{"result": "NF4 + double quantization: linear-layer weight memory / 16-bit",
+             "paper": "Dettmers et al. 2023 (QLoRA), section 3", "published": round(NF4_BITS_PER_WEIGHT / 16, 4),
+             "ours": round(metrics["linear_weight_fraction_of_16bit"], 4), "tolerance": 0.01}]
+
+
+# ------------------------------------------------------------------------------------------------- run
+def run(cfg: Config, records: list[dict], records_path: Path, output: Path, rt: dist.Runtime,
+        stop: dist.StopFlag) -> dict:
+    """Train and publish. The wrapped model lives only in here (it must be gone before teardown)."""
+    from transformers import AutoTokenizer
+
+    dist.seed_everything(cfg.seed)
+    tok = AutoTokenizer.from_pretrained(cfg.base)
+    inputs, targets, dropped = instructions.encode(records, tok, cfg.template, cfg.seq_length)
+    if len(inputs) < 2:
+        raise config.UserError(f"finetune_qlora: only {len(inputs)} of {len(records)} records leave room for a response "
+                               f"in seq_length={cfg.seq_length} tokens; raise seq_length")
+    train_rows, eval_rows = instructions.split(len(inputs), cfg.eval_fraction, cfg.seed)
+    train_src = instructions.Records(inputs[train_rows], targets[train_rows], cfg.batch_size, cfg.seed)
+    eval_src = instructions.Records(inputs[eval_rows], targets[eval_rows], cfg.batch_size, cfg.seed)
+    lcfg = loop_config(cfg, cfg.eval_batches or math.ceil(len(eval_src) / cfg.batch_size))
+    base_path = Path(cfg.base)
+    hashed = [records_path, base_path] if base_path.exists() else [records_path]
+    inputs_hash = dist.broadcast_object(ckpt.hash_files(hashed) if rt.is_main else None)
+    ckpt_folder = ckpt.checkpoint_dir(STAGE, config.as_dict(cfg), inputs_hash)
+
+    model = load_base(cfg, rt.device, cfg.quantization == "nf4")
+    linear_bytes, linear_weights = linear_weight_memory(model)
+    model = add_adapters(model, cfg)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    dist.print0(f"finetune_qlora: {len(train_src)} train / {len(eval_src)} eval records ({dropped} too long), "
+                f"{trainable / 1e6:.3f}M trainable parameters, base {cfg.quantization}", rt=rt)
+    with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"checkpoints": str(ckpt_folder)}) as tracker:
+        result = loop.train(model, train_src, eval_src, lcfg, rt, ckpt_folder, tracker, stop)
+        if result["stopped"]:
+            tracker.set_tags({"stopped_by": "SIGTERM", "resume_from": str(ckpt_folder)})
+            return {"stopped": True}
+        hist = result["history"]
+        if hist["val_step"] and hist["val_step"][-1] == cfg.steps:
+            eval_loss = hist["val_loss"][-1]
+        else:
+            eval_loss = loop.evaluate(result["model"], eval_src, lcfg, rt)
+        peak = max(dist.gather_objects(peak_memory_mb(rt.device)))
+        adapter_sd = loop.full_state_dict(result["model"], rt, trainable_only=True)
+        trained = None if rt.distributed else result["model"]
+        del model, result["model"]
+        gc.collect()
+        metrics = {
+            "eval_loss": eval_loss, "final_train_loss": hist["loss"][-1], "tokens_per_s": result["tokens_per_s"],
+            "peak_memory_mb": peak, "linear_weight_mb": linear_bytes / 2**20,
+            "linear_weight_bits_per_weight": 8 * linear_bytes / linear_weights,
+            "linear_weight_fraction_of_16bit": linear_bytes / (2 * linear_weights),
+            "trainable_parameters": trainable, "train_records": len(train_src), "eval_records": len(eval_src),
+        }
+        tracker.log_metrics({k: metrics[k] for k in ("eval_loss", "peak_memory_mb", "linear_weight_mb")}, step=cfg.steps)
+        with ckpt.atomic_dir(output, rt) as tmp:
+            if rt.is_main:
+                save_adapter_and_merged(tmp, adapter_sd, cfg, tok, rt.device)
+                ckpt.write_json(tmp / "metrics.json", metrics)
+                ckpt.write_json(tmp / "results.json", result_rows(cfg, metrics))
+                ckpt.write_json(tmp / "meta.json", {
+                    "base": cfg.base, "quantization": cfg.quantization, "step": cfg.steps, "dropped_records": dropped,
+                    "git_commit": track.git_commit(), "storage_dtype": str(storage_dtype(cfg, rt.device)),
+                    "compute_dtype": str(dist.compute_dtype(rt.device)), "world_size": rt.world_size})
+                write_plots(tmp, hist, cfg)
+        if rt.is_main:
+            tracker.log_artifact(output / "plots/loss.png", "plots")
+            tracker.log_artifact(output / "metrics.json")
+            shutil.rmtree(ckpt_folder, ignore_errors=True)  # the run is complete; its checkpoints are spent
+    # One process: hand back the trained model itself (tests compare it with what was saved).
+    return {**metrics, "history": hist, "stopped": False, "model": trained}
+
+
+def main(argv=None) -> dict:
+    args, overrides = config.parse_cli(__doc__, {"input": "data/prepare_data", "output": "data/finetune_qlora/nf4"}, argv)
+    cfg = config.load(Config, STAGE, args.params, overrides)
+    inp, output = Path(args.input), Path(args.output)
+    records_path = inp / "instructions.jsonl" if inp.is_dir() else inp
+    if not records_path.is_file():
+        raise config.UserError(f"finetune_qlora: no instruction records at {records_path}; run prepare_data "
+                               f"(prepare_data.instructions must not be none) or pass --input FILE.jsonl")
+    records = instructions.read_records(records_path)
+    base_config = check_base(cfg)
+    if cfg.seq_length > base_config.get("max_position_embeddings", cfg.seq_length):
+        raise config.UserError(f"params.yaml: finetune_qlora.seq_length ({cfg.seq_length}) exceeds the base model's "
+                               f"max_position_embeddings ({base_config['max_position_embeddings']}); lower seq_length")
+    rt = dist.init()
+    stop = dist.handle_sigterm()
+    try:
+        check_parallelism(cfg, rt)
+        try:
+            loop.grad_accum_steps(loop_config(cfg, 1), rt.world_size)
+        except ValueError as e:
+            raise config.UserError(f"params.yaml: finetune_qlora.{e}") from None
+        out = run(cfg, records, records_path, output, rt, stop)
+    finally:
+        dist.teardown()
+    if out["stopped"]:
+        raise SystemExit(143)  # preempted: a checkpoint holds the progress; re-running resumes from it
+    dist.print0(f"finetune_qlora ({cfg.quantization}): eval loss {out['eval_loss']:.4f}, peak memory "
+                f"{out['peak_memory_mb']:.0f} MiB, linear weights {out['linear_weight_mb']:.2f} MiB "
+                f"({out['linear_weight_bits_per_weight']:.2f} bits/weight) -> {output}", rt=rt)
+    return out
+
+
+if __name__ == "__main__":
+    config.run(main)

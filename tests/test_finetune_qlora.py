@@ -1,0 +1,197 @@
+"""finetune_qlora on the ci model and the Alpaca subset: LoRA on a 4-bit NF4 base, under FSDP2 with 2 CPU
+processes; the adapter reloads onto the 4-bit base, the merged model matches base + adapter, exact resume,
+the loss mask, and errors raised before any compute."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from stages import finetune_qlora as ft
+from stages import pretrain
+from stages.common import config, dist, instructions, loop
+
+from conftest import loss_curve, run_stage
+
+PRETRAIN = ["n_layers=2", "hidden_size=64", "n_heads=4", "n_kv_heads=2", "intermediate_size=128",
+            "max_position_embeddings=64", "context_length=64", "steps=4", "batch_size=8", "micro_batch_size=4",
+            "warmup_steps=1", "eval_every=0", "checkpoint_every=0", "log_every=2"]
+# Merged weights W + BA against W x + B(A x) in fp32: the same up to rounding.
+MERGE_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def base(tokenized, tmp_path_factory, monkeypatch_module):
+    """A folder with prepare_data's records and a briefly pretrained ci model at data/pretrain/model."""
+    root = tmp_path_factory.mktemp("finetune")
+    shutil.copy(tokenized / "params.yaml", root / "params.yaml")
+    shutil.copytree(tokenized / "data/prepare_data", root / "data/prepare_data")
+    monkeypatch_module.chdir(tokenized)
+    pretrain.main(["--input", "data/tokenize", "--output", str(root / "data/pretrain"), *PRETRAIN])
+    monkeypatch_module.chdir(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+TINY = ["steps=4", "batch_size=8", "micro_batch_size=2", "lr=0.01", "warmup_steps=1", "eval_every=2",
+        "checkpoint_every=0", "log_every=2", "lora_r=4", "lora_alpha=8", "lora_dropout=0.0", "seq_length=64",
+        "template=short", "eval_fraction=0.1"]
+
+
+def finetune(root, out, nproc, *extra, check=True, **env):
+    return run_stage("finetune_qlora", ["--input", "data/prepare_data", "--output", out, *TINY, *extra],
+                     cwd=root, nproc=nproc, check=check, **env)
+
+
+def load_base(root, quantized=True):
+    cfg = config.load(ft.Config, ft.STAGE, root / "params.yaml", TINY)
+    return ft.load_base(cfg, torch.device("cpu"), quantized).eval()
+
+
+def eval_records(root):
+    """The eval records of a TINY run, as the stage builds them."""
+    from transformers import AutoTokenizer
+
+    cfg = config.load(ft.Config, ft.STAGE, root / "params.yaml", TINY)
+    records = instructions.read_records(root / "data/prepare_data/instructions.jsonl")
+    x, y, _ = instructions.encode(records, AutoTokenizer.from_pretrained(cfg.base), cfg.template, cfg.seq_length)
+    _, rows = instructions.split(len(x), cfg.eval_fraction, cfg.seed)
+    return instructions.Records(x[rows], y[rows], cfg.batch_size, cfg.seed), cfg
+
+
+def eval_loss(model, root) -> float:
+    records, cfg = eval_records(root)
+    rt = dist.Runtime(0, 1, 0, 1, torch.device("cpu"))
+    return loop.evaluate(model, records, ft.loop_config(cfg, -(-len(records) // cfg.batch_size)), rt)
+
+
+def test_one_process_trains_and_its_outputs_load_in_peft_and_transformers(base):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = ft.main(["--input", "data/prepare_data", "--output", "one", *TINY])
+    losses = out["history"]["loss"]
+    trained = out["model"].eval()
+    records, _ = eval_records(base)
+    x, _ = records.batch(-1, 0, 4)
+    with torch.no_grad():
+        want = trained(input_ids=x).logits
+        before = eval_loss(load_base(base), base)
+        assert out["eval_loss"] < before - 0.05, f"fine-tuning lowers eval loss: {before} -> {out['eval_loss']} ({losses})"
+        # The saved adapter on a freshly quantized base computes what the trained model computed.
+        reloaded = PeftModel.from_pretrained(load_base(base), base / "one/adapter").eval()
+        torch.testing.assert_close(reloaded(input_ids=x).logits, want, rtol=0, atol=1e-6)
+        merged = AutoModelForCausalLM.from_pretrained(base / "one/model", dtype=torch.float32).eval()
+        assert not hasattr(merged.config, "quantization_config")
+        assert all(type(m) is torch.nn.Linear for m in merged.modules() if isinstance(m, torch.nn.Linear))
+        torch.testing.assert_close(merged(input_ids=x).logits, want, rtol=0, atol=MERGE_ATOL)
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(base / "one/model")) == merged.config.vocab_size
+    metrics = json.loads((base / "one/metrics.json").read_text())
+    assert metrics["tokens_per_s"] > 0 and metrics["train_records"] + metrics["eval_records"] <= 200
+    # NF4 + double quantization: 4 bits per weight plus the per-block constants (QLoRA: 4.127 bits).
+    assert 4.1 < metrics["linear_weight_bits_per_weight"] < 4.2 and metrics["peak_memory_mb"] > 0
+    rows = json.loads((base / "one/results.json").read_text())
+    assert len(rows) == 1 and abs(rows[0]["ours"] - rows[0]["published"]) <= rows[0]["tolerance"]
+    assert (base / "one/plots/loss.png").stat().st_size > 0
+
+
+def test_fsdp_trains_like_one_process_and_resumes_exactly_after_sigkill(base):
+    if not (base / "one").is_dir():
+        pytest.skip("compares with the one-process run of the test above; run the module")
+    ckpt_root = base / "ckpts"
+    env = {"PIPELINE_CHECKPOINTS": str(ckpt_root)}
+    finetune(base, "whole", 2, **env)
+    # 2 processes under FSDP2 compute the losses of one process (batches do not depend on world size).
+    np.testing.assert_allclose(loss_curve(base, "whole"), loss_curve(base, "one"), rtol=1e-4)
+    metrics = json.loads((base / "whole/metrics.json").read_text())
+    from peft import PeftModel
+
+    with torch.no_grad():
+        reloaded = PeftModel.from_pretrained(load_base(base), base / "whole/adapter").eval()
+        assert eval_loss(reloaded, base) == pytest.approx(metrics["eval_loss"], rel=1e-5)
+    # SIGKILL while writing the step-3 checkpoint: step-2 is complete; the re-run resumes from it.
+    proc = finetune(base, "resumed", 2, "checkpoint_every=1", check=False, PIPELINE_FAULT_IN_CHECKPOINT="3", **env)
+    assert proc.returncode != 0
+    kept = sorted(p.name for p in ckpt_root.glob("finetune_qlora/*/*"))
+    assert "step-2" in kept and "step-3" not in kept, kept
+    proc = finetune(base, "resumed", 2, "checkpoint_every=1", **env)
+    assert "resuming from" in proc.stdout + proc.stderr and "step 2" in proc.stdout + proc.stderr
+    np.testing.assert_array_equal(loss_curve(base, "resumed"), loss_curve(base, "whole"))
+    from safetensors.torch import load_file
+
+    a = load_file(base / "whole/adapter/adapter_model.safetensors")
+    b = load_file(base / "resumed/adapter/adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not list(ckpt_root.glob("finetune_qlora/*/step-*")), "a finished run removes its checkpoints"
+
+
+def test_only_response_tokens_carry_loss(base):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base / "data/pretrain/model")
+    rec = {"instruction": "Name a colour.", "input": "", "output": "Blue."}
+    x, y, dropped = instructions.encode([rec], tok, "short", 64)
+    prompt = tok(instructions.prompt_of(rec, "short"), add_special_tokens=False)["input_ids"]
+    response = tok("Blue.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    n = 1 + len(prompt) + len(response)  # bos + prompt + response + eos
+    assert dropped == 0 and x.shape == y.shape == (1, 64)
+    assert (y[0, : len(prompt)] == loop.IGNORE_INDEX).all(), "no loss on bos and prompt targets"
+    assert y[0, len(prompt) : n - 1].tolist() == response, "loss on every response token and the eos"
+    assert (y[0, n - 1 :] == loop.IGNORE_INDEX).all(), "no loss on padding"
+    assert x[0, 0] == tok.bos_token_id and x[0, 1 : n - 1].tolist() == prompt + response[:-1]
+    # The loss is the mean over response targets only: logits at prompt positions do not change it.
+    logits = torch.randn(1, 64, len(tok))
+    model = lambda input_ids, use_cache: SimpleNamespace(logits=logits)
+    keep = torch.from_numpy(y[0] != loop.IGNORE_INDEX)
+    want = torch.nn.functional.cross_entropy(logits[0, keep], torch.from_numpy(y[0])[keep])
+    loss = loop.lm_loss(model, torch.from_numpy(x), torch.from_numpy(y)).item()
+    logits[0, ~keep] += 100 * torch.randn_like(logits[0, ~keep])
+    assert loss == pytest.approx(want.item()) and loop.lm_loss(model, torch.from_numpy(x), torch.from_numpy(y)).item() == loss
+    # A prompt that fills the sequence leaves no response token: the record is dropped.
+    assert instructions.encode([{**rec, "instruction": "word " * 200}], tok, "short", 64)[2] == 1
+
+
+def test_batches_are_a_pure_function_of_the_step():
+    x = np.arange(10 * 4).reshape(10, 4)
+    src = instructions.Records(x, x, global_batch=4, seed=3)
+    first = [src.batch(s, 0, 4)[0] for s in range(5)]  # 20 rows: two epochs of 10
+    assert sorted(torch.cat(first[:2] + [first[2][:2]])[:, 0].tolist()) == list(range(0, 40, 4))
+    assert torch.equal(src.batch(3, 2, 2)[0], first[3][2:]), "rank slices of the global batch"
+    assert torch.equal(src.batch(-2, 0, 4)[0][:, 0], torch.tensor([16, 20, 24, 28])), "eval batches in order"
+    train, held = instructions.split(100, 0.1, seed=1)
+    assert len(held) == 10 and not set(train) & set(held) and (held == instructions.split(100, 0.1, seed=1)[1]).all()
+
+
+def test_errors_before_any_compute(base, tmp_path):
+    args = ["--input", "data/prepare_data", "--output", "bad", *TINY]
+    no_weights = tmp_path / "noweights"
+    no_weights.mkdir()
+    shutil.copy(base / "data/pretrain/model/config.json", no_weights)
+    with pytest.raises(config.UserError, match="finetune_qlora.base: .*noweights has no weights"):
+        ft.main([*args, f"base={no_weights}"])
+    with pytest.raises(config.UserError, match="target_modules: qkv match no linear layer .* q_proj"):
+        ft.main([*args, "target_modules=[q_proj, qkv]"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n" + json.dumps({"instruction": "c"}) + "\n")
+    with pytest.raises(config.UserError, match="bad.jsonl:2: record lacks output"):
+        ft.main(["--input", str(bad), *args[2:]])
+    with pytest.raises(config.UserError, match="seq_length \\(128\\) exceeds the base model's max_position_embeddings \\(64\\)"):
+        ft.main([*args, "seq_length=128"])
+    assert not (base / "bad").exists()
+    cfg = config.load(ft.Config, ft.STAGE, base / "params.yaml", [*TINY, "quant_storage=uint8"])
+    two = dist.Runtime(0, 2, 0, 2, torch.device("cpu"))
+    with pytest.raises(config.UserError, match="quant_storage=uint8: FSDP cannot shard torch.uint8 .* set quant_storage: auto"):
+        ft.check_parallelism(cfg, two)
+    ft.check_parallelism(config.load(ft.Config, ft.STAGE, base / "params.yaml", TINY), two)
