@@ -236,6 +236,8 @@ def save_adapter_and_merged(tmp: Path, adapter_sd: dict, cfg: Config, tok, devic
     lora_missing = [k for k in missing if "lora_" in k]
     if unexpected or lora_missing or not adapter_sd:
         raise RuntimeError(f"adapter state does not fit the model: unexpected {unexpected[:3]}, missing {lora_missing[:3]}")
+    lora = model.peft_config["default"]
+    lora.target_modules = sorted(lora.target_modules)  # a set after all-linear: saved sorted, the file is reproducible
     model.save_pretrained(tmp / "adapter")
     del model
     gc.collect()
