@@ -16,6 +16,8 @@ import html
 import json
 from pathlib import Path
 
+from stages.common.track import flatten
+
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 80em; color: #1f272d; }
 table { border-collapse: collapse; margin: 0.5em 0 1.5em; }
@@ -26,16 +28,6 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 figure { display: inline-block; margin: 0 1em 1em 0; } img { max-width: 38em; border: 1px solid #c8ced3; }
 code { font-size: 0.9em; }
 """
-
-
-def flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def cell(value) -> str:
