@@ -136,9 +136,11 @@ def test_warning_signal_checkpoints_requeues_and_resumes(cluster, tmp_path_facto
         time.sleep(1)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
 
-    # A requeued job becomes eligible again after a delay (about 2 minutes); let it start at once.
+    # A requeued job becomes eligible again after a delay (about 2 minutes); let it start at once, but
+    # only once the first start has left the node: a start while it is still completing fails.
     deadline = time.time() + 120
-    while cluster.job(job_id)["Restarts"] == "0":
+    while not (cluster.job(job_id)["Restarts"] != "0" and cluster.job(job_id)["JobState"] == "PENDING"
+               and cluster.node_idle()):
         assert time.time() < deadline, f"job {job_id} was not requeued: {cluster.job(job_id)}\n{log.read_text()[-3000:]}"
         time.sleep(1)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
