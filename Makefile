@@ -12,7 +12,7 @@ export PIPELINE_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shar
 TORCH_INDEX := $(if $(shell command -v nvidia-smi),,--extra-index-url https://download.pytorch.org/whl/cpu)
 MLFLOW_PORT ?= 5000
 
-.PHONY: run test test-system venv dag bench mlflow-ui html-report lock clean
+.PHONY: run test test-system venv dag bench mlflow-ui html-report plots lock clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -22,12 +22,17 @@ $(STAMP): requirements.lock pyproject.toml
 	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
-venv: $(STAMP)
+# The page template `dvc plots show` uses (.dvc/config), with the Vega libraries inlined: plots render offline.
+PLOTS_TEMPLATE := .dvc/plots/offline.html
+$(PLOTS_TEMPLATE): $(STAMP) pipelines/plots.py
+	python -m pipelines.plots
 
-run: $(STAMP)
+venv: $(STAMP) $(PLOTS_TEMPLATE)
+
+run: $(STAMP) $(PLOTS_TEMPLATE)
 	snakemake --cores all
 
-test: $(STAMP)
+test: $(STAMP) $(PLOTS_TEMPLATE)
 	python -m pytest -q tests --ignore=tests/system
 
 # As root: a single-node SLURM running the pipeline, the stage containers built with podman, the MLflow
@@ -54,6 +59,10 @@ mlflow-ui: $(STAMP)
 # One self-contained HTML page of the last run: results table, stage metrics, plots (report.html).
 html-report: $(STAMP)
 	python -m pipelines.html_report --output report.html
+
+# DVC's plots of the last run, offline: dvc_plots/index.html.
+plots: $(PLOTS_TEMPLATE)
+	dvc plots show
 
 # Re-resolve requirements.in and pin the result (torch stays at the version the Makefile installs).
 lock: $(STAMP)

@@ -29,7 +29,7 @@ Output (data/finetune_qlora/<quantization>/):
                    AutoModelForCausalLM.from_pretrained("model")
     metrics.json   eval/train loss, tokens/s, peak process memory, linear-layer weight memory
     results.json   report rows (NF4 weight memory against 16-bit, as in the QLoRA paper)
-    plots/loss.csv, plots/loss.png   the loss curves (DVC plots)
+    plots/loss.csv, eval_loss.csv, loss.png   the loss curves (DVC plots)
 """
 
 from __future__ import annotations
@@ -255,12 +255,8 @@ def write_plots(tmp: Path, hist: dict, cfg: Config) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    (tmp / "plots").mkdir()
+    loop.write_curves(tmp / "plots", hist, "eval_loss")
     val = dict(zip(hist["val_step"], hist["val_loss"]))
-    with open(tmp / "plots/loss.csv", "w") as fh:
-        fh.write("step,train_loss,eval_loss\n")
-        for s, l in zip(hist["step"], hist["loss"]):
-            fh.write(f"{s},{l:.6f},{val[s]:.6f}\n" if s in val else f"{s},{l:.6f},\n")
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(hist["step"], hist["loss"], label="train (response tokens)")
     if val:

@@ -18,7 +18,7 @@ Output (data/pretrain/):
     model/         config.json, model.safetensors, tokenizer files: AutoModelForCausalLM/AutoTokenizer load it
     meta.json      step, tokens seen, final train/val loss, git commit, parameter count, model config
     metrics.json   final train/val loss, tokens/s, MFU
-    plots/loss.csv, plots/loss.png   the loss curves (DVC plots)
+    plots/loss.csv, val_loss.csv, loss.png   the loss curves (DVC plots)
 """
 
 from __future__ import annotations
@@ -157,12 +157,8 @@ def save_outputs(tmp: Path, model_sd: dict, cfg: Config, meta_in: dict, inp: Pat
         "model_config": model.config.to_dict(),
     }
     ckpt.write_json(tmp / "meta.json", meta)
-    (tmp / "plots").mkdir()
+    loop.write_curves(tmp / "plots", hist)
     val = dict(zip(hist["val_step"], hist["val_loss"]))
-    with open(tmp / "plots/loss.csv", "w") as fh:
-        fh.write("step,train_loss,val_loss\n")
-        for s, l in zip(hist["step"], hist["loss"]):
-            fh.write(f"{s},{l:.6f},{val[s]:.6f}\n" if s in val else f"{s},{l:.6f},\n")
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(hist["step"], hist["loss"], label="train")
     if val:

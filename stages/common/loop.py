@@ -308,3 +308,16 @@ def full_state_dict(model, rt: dist.Runtime, trainable_only: bool = False) -> di
         names = {_fqn(n) for n, p in model.named_parameters() if p.requires_grad}
         sd = {k: v for k, v in sd.items() if _fqn(k) in names}
     return {k.removeprefix("_orig_mod."): v for k, v in sd.items()} if rt.is_main else {}
+
+
+def write_curves(folder: Path, history: dict, val_column: str = "val_loss") -> None:
+    """The loss curves as DVC plot files: loss.csv (step, train_loss) every step and <val_column>.csv
+    (step, <val_column>) at each evaluation. Two files, so no step has an empty cell that a plot
+    would draw as zero."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "loss.csv", "w") as fh:
+        fh.write("step,train_loss\n")
+        fh.writelines(f"{s},{v:.6f}\n" for s, v in zip(history["step"], history["loss"]))
+    with open(folder / f"{val_column}.csv", "w") as fh:
+        fh.write(f"step,{val_column}\n")
+        fh.writelines(f"{s},{v:.6f}\n" for s, v in zip(history["val_step"], history["val_loss"]))
