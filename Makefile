@@ -30,7 +30,7 @@ $(PLOTS_TEMPLATE): $(STAMP) pipelines/plots.py
 venv: $(STAMP) $(PLOTS_TEMPLATE)
 
 run: $(STAMP) $(PLOTS_TEMPLATE)
-	snakemake --cores all
+	snakemake --profile pipelines/profiles/local --cores all
 
 test: $(STAMP) $(PLOTS_TEMPLATE)
 	python -m pytest -q tests --ignore=tests/system

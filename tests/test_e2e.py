@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import MIRROR, ROOT
 
@@ -24,12 +27,16 @@ UP_TO_DATE = "Data and pipelines are up to date."
 DOWNSTREAM = {"tokenize", "pretrain", "extend_context", "finetune_qlora", "eval_perplexity", "context_study", "report"}
 
 
-def sh(cmd: str, cwd: Path) -> str:
+def env_for(cwd: Path) -> dict:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "PIPELINE_DATA_MIRROR": str(MIRROR), "PYTHONPATH": str(cwd)}
     for key in ("MLFLOW_TRACKING_URI", "PIPELINE_RUN_ID", "PIPELINE_SNAKEMAKE"):
         env.pop(key, None)  # the embedded defaults: sqlite in the clone, one group per invocation
-    proc = subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    return env
+
+
+def sh(cmd: str, cwd: Path) -> str:
+    proc = subprocess.run(cmd, shell=True, cwd=cwd, env=env_for(cwd), capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"`{cmd}` failed:\n{out[-6000:]}"
     return out
@@ -114,6 +121,19 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     set_growth(clone, 1.3)
     assert dvc_ran(sh("dvc repro", clone)) == {"context_study", "report"}
     assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone), "dvc repro results count for snakemake"
+    # A sweep point as a DVC experiment: the same two stages, recorded with its params and metrics.
+    assert dvc_ran(sh("dvc exp run -S context_study.unscaled_growth=1.25 -n growth-1.25", clone)) == {
+        "context_study", "report"}
+    table = sh("dvc exp show --csv", clone).splitlines()
+    header, row = table[0].split(","), next(r.split(",") for r in table if r.startswith("growth-1.25,"))
+    assert row[header.index("context_study.unscaled_growth")] == "1.25"
+    metrics = sh("dvc metrics show", clone)
+    assert all(f"data/{s}/metrics.json" in metrics for s in ("pretrain", "train_gnn", "context_study")), metrics
+    # `dvc plots show`, offline: no script loads from elsewhere, every line plot is on the page.
+    sh("python -m pipelines.plots && dvc plots show", clone)
+    page = (clone / "dvc_plots/index.html").read_text()
+    assert not re.search(r"<script[^>]+src=", page) and "vegaEmbed" in page
+    assert all(p in page for p in ("data/pretrain/plots/val_loss.csv", "data/finetune_qlora/nf4/plots/loss.csv"))
 
     # A deleted output re-runs its stage and its dependents only.
     sh("rm -rf data/context_study", clone)
@@ -131,12 +151,55 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
     assert UP_TO_DATE in sh("dvc status", clone)
 
-    # One MLflow group per invocation that ran stages: three from snakemake, one from dvc repro.
+    # One MLflow group per invocation that ran stages: three from snakemake, two from DVC.
     groups = mlflow_groups(clone)
     by_tool = {tool: sorted(str(v) for k, v in groups.items() if k.startswith(tool)) for tool in ("smk-", "dvc-")}
     downstream = sorted(["eval_perplexity", "finetune_qlora", *DOWNSTREAM])  # each runs twice (two items)
     full = sorted(["prepare_data", "train_gnn", *downstream])
     study = ["context_study", "report"]
     assert by_tool["smk-"] == sorted(map(str, [full, downstream, study]))
-    assert by_tool["dvc-"] == [str(study)]
-    assert len(groups) == 4
+    assert by_tool["dvc-"] == [str(study)] * 2  # dvc repro, dvc exp run
+    assert len(groups) == 5
+
+
+def kill_everything_in(folder: Path) -> int:
+    """SIGKILL every process working in folder (the stage's workers run in sessions of their own, so
+    a process group does not hold them all): what a lost machine does to a pipeline."""
+    killed = 0
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and Path(os.readlink(proc / "cwd")).is_relative_to(folder):
+                os.kill(int(proc.name), signal.SIGKILL)
+                killed += 1
+        except (OSError, ValueError):
+            pass
+    return killed
+
+
+@pytest.mark.timeout(900)
+def test_killed_pipeline_resumes_from_the_stage_checkpoint(clone):
+    """The pipeline killed mid-pretrain, every process at once: the re-run, with the profile `make run`
+    uses, finishes pretrain from its newest checkpoint instead of starting over."""
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params["pretrain"].update(steps=400, checkpoint_every=20, eval_every=400)
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    assert "\tsnakemake --profile pipelines/profiles/local --cores all\n" in (ROOT / "Makefile").read_text()
+    run = "snakemake --profile pipelines/profiles/local --cores 2 pretrain"
+    checkpoints = clone / "checkpoints" / "pretrain"
+    before = set(checkpoints.glob("*/step-*"))
+    proc = subprocess.Popen(run, shell=True, cwd=clone, env=env_for(clone), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not set(checkpoints.glob("*/step-*")) - before:
+        assert proc.poll() is None, "the pipeline ended before pretrain wrote a checkpoint"
+        assert time.time() < deadline, "no pretrain checkpoint after 600 s"
+        time.sleep(0.2)
+    assert kill_everything_in(clone) > 0
+    proc.wait(60)
+    assert not (clone / "data/pretrain/meta.json").exists(), "the kill landed after pretrain had finished"
+
+    assert snakemake_ran(sh(run, clone)) == {"pretrain"}
+    log = (clone / "logs/pretrain.log").read_text()
+    resumed = re.search(r"resuming from \S+ \(step (\d+)\)", log)
+    assert resumed and int(resumed.group(1)) >= 20, log[-3000:]
+    assert json.loads((clone / "data/pretrain/meta.json").read_text())["step"] == 400

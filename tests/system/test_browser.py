@@ -145,3 +145,29 @@ def test_experiment_page_lists_the_runs_in_chromium(server, tmp_path):
         shot.unlink(missing_ok=True)
         render(page, tmp_path / "profile", f"--screenshot={shot}")
         assert shot.is_file() and shot.stat().st_size > 10_000, f"Chromium wrote no screenshot of {page}"
+
+
+def test_dvc_plots_render_offline_in_chromium(tmp_path_factory, mirror, tmp_path):
+    """`dvc plots show` over a pipeline run draws every line plot with the network cut off: the page
+    template (.dvc/config) carries the Vega libraries instead of loading them from a CDN."""
+    if chromium() is None:
+        pytest.skip("Chromium not installed (bash tests/system/install.sh browser)")
+    clone = local_run(tmp_path_factory)
+    recipe = sh("make --no-print-directory -n plots", clone)
+    assert "python -m pipelines.plots" in recipe and "dvc plots show" in recipe
+    sh("python -m pipelines.plots", clone)
+    sh(f"dvc plots show -o {tmp_path / 'plots'}", clone)
+    page = tmp_path / "plots" / "index.html"
+    text = page.read_text()
+    assert not re.search(r"<script[^>]+src=", text), "the page loads a script from elsewhere"
+
+    line_plots = [next(iter(e)) for e in dag.dvc_document(dag.load_table())["plots"] if isinstance(e, dict)]
+    # A proxy that refuses every connection: nothing outside the file can load.
+    dom = render(page.as_uri(), tmp_path / "profile", "--proxy-server=127.0.0.1:9", "--dump-dom")
+    drawn = re.findall(r'<svg[^>]*class="marks"[^>]*width="(\d+)"', dom)
+    assert len([w for w in drawn if int(w) > 0]) == len(line_plots), (line_plots, drawn)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "dvc-plots.png"
+    shot.unlink(missing_ok=True)
+    render(page.as_uri(), tmp_path / "profile", "--proxy-server=127.0.0.1:9", f"--screenshot={shot}")
+    assert shot.is_file() and shot.stat().st_size > 10_000, "Chromium wrote no screenshot of the plots page"
