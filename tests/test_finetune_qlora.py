@@ -195,3 +195,34 @@ def test_errors_before_any_compute(base, tmp_path):
     with pytest.raises(config.UserError, match="quant_storage=uint8: FSDP cannot shard torch.uint8 .* set quant_storage: auto"):
         ft.check_parallelism(cfg, two)
     ft.check_parallelism(config.load(ft.Config, ft.STAGE, base / "params.yaml", TINY), two)
+
+
+def test_step_loss_is_the_mean_over_target_tokens(tmp_path):
+    """Micro-batches with few and many response tokens: the step's loss (and so its gradient) is the
+    mean over all target tokens of the global batch, not the mean of per-micro-batch means."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
+    x = torch.randint(0, 50, (2, 16))
+    y = torch.full((2, 16), loop.IGNORE_INDEX)
+    y[0, -1] = 7           # micro-batch 0: one target
+    y[1, 2:] = torch.cat([x[1, 3:], torch.tensor([3])])  # micro-batch 1: 14 targets
+
+    class Source:
+        def batch(self, step, index, size):
+            return x[index : index + size], y[index : index + size]
+
+    with torch.no_grad():
+        want = loop.lm_loss(model, x, y).item()  # one cross-entropy over all 15 targets
+        mean_of_means = (loop.lm_loss(model, x[:1], y[:1]) + loop.lm_loss(model, x[1:], y[1:])).item() / 2
+    assert abs(want - mean_of_means) > 1e-3, "the two micro-batches must disagree for this test to mean anything"
+    cfg = loop.LoopConfig(steps=1, batch_size=2, micro_batch_size=1, context_length=16, lr=1e-3, min_lr=0.0,
+                          warmup_steps=0, weight_decay=0.0, beta1=0.9, beta2=0.95, grad_clip=1.0, strategy="ddp",
+                          activation_checkpointing=False, compile=False, eval_every=0, eval_batches=1,
+                          checkpoint_every=0, log_every=1, seed=0, peak_tflops=1.0)
+    rt = dist.Runtime(0, 1, 0, 1, torch.device("cpu"))
+    tracker = SimpleNamespace(log_metrics=lambda *a, **k: None)
+    result = loop.train(model, Source(), Source(), cfg, rt, tmp_path / "ckpt", tracker, dist.StopFlag())
+    assert result["history"]["loss"][0] == pytest.approx(want, rel=1e-5)

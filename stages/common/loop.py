@@ -194,26 +194,38 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     return extra
 
 
-def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over targets other than IGNORE_INDEX; y is x shifted by one,
-    (B, T) each. Logits in fp32."""
+def lm_loss(model, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy over targets other than IGNORE_INDEX, their mean or sum; y is x shifted
+    by one, (B, T) each. Logits in fp32."""
     logits = model(input_ids=x, use_cache=False).logits  # (B, T, V); no KV cache while training
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
+                                             reduction=reduction)
+
+
+def global_target_count(targets: list[torch.Tensor], rt: dist.Runtime) -> torch.Tensor:
+    """How many targets (not IGNORE_INDEX) one optimizer step holds, over its micro-batches and all
+    ranks: the divisor that makes the step's loss the mean over tokens, however the masked (prompt)
+    tokens fall across micro-batches and ranks."""
+    count = sum((y != IGNORE_INDEX).sum() for y in targets).to(rt.device, torch.float64)
+    if rt.distributed:
+        torch.distributed.all_reduce(count)
+    return count.clamp(min=1)
 
 
 @torch.no_grad()
 def evaluate(model, windows, cfg: LoopConfig, rt: dist.Runtime) -> float:
-    """Mean loss over `eval_batches` global batches of fixed validation windows (same every call);
-    `windows` is a Windows or another batch source."""
+    """Mean loss per target token over `eval_batches` global batches of fixed validation windows (same
+    every call); `windows` is a Windows or another batch source."""
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=rt.device)
+    total = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss sum, target count
     for b in range(cfg.eval_batches):
         for m in range(grad_accum_steps(cfg, rt.world_size)):
             index = (m * rt.world_size + rt.rank) * cfg.micro_batch_size
             x, y = windows.batch(-1 - b, index, cfg.micro_batch_size)
             with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=dist.compute_dtype(rt.device) == torch.bfloat16):
-                loss = lm_loss(model, x.to(rt.device), y.to(rt.device))
-            total += torch.tensor([loss.item(), 1.0], dtype=torch.float64, device=rt.device)
+                loss = lm_loss(model, x.to(rt.device), y.to(rt.device), reduction="sum")
+            total += torch.tensor([loss.item(), float((y != IGNORE_INDEX).sum())], dtype=torch.float64,
+                                  device=rt.device)
     model.train()
     if rt.distributed:
         torch.distributed.all_reduce(total)
@@ -251,15 +263,18 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=rt.device)
-        for m in range(accum):
-            index = (m * rt.world_size + rt.rank) * cfg.micro_batch_size
-            x, y = train_w.batch(step, index, cfg.micro_batch_size)
+        micro = [train_w.batch(step, (m * rt.world_size + rt.rank) * cfg.micro_batch_size, cfg.micro_batch_size)
+                 for m in range(accum)]
+        # Each micro-batch's summed loss over the step's target count: the gradients, averaged over
+        # ranks by DDP/FSDP, are those of the mean loss per target token of the whole global batch.
+        scale = rt.world_size / global_target_count([y for _, y in micro], rt)
+        for m, (x, y) in enumerate(micro):
             x, y = x.to(rt.device), y.to(rt.device)
             last = m == accum - 1
             # DDP: all-reduce gradients only on the last micro-batch of the step.
             no_sync = rt.distributed and not last and cfg.strategy == "ddp"
             with (model.no_sync() if no_sync else contextlib.nullcontext()), amp:
-                loss = lm_loss(model, x, y) / accum
+                loss = lm_loss(model, x, y, reduction="sum") * scale.to(torch.float32)
                 loss.backward()
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
