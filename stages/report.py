@@ -16,6 +16,12 @@ ours, tolerance, pass (ours against published under the relation), stage, git co
 A stage run once per item (data/<stage>/<item>, e.g. finetune_qlora/nf4 and finetune_qlora/none)
 also gets a comparison table: the metrics its items share, one column per item.
 
+Regression: our own perplexities (every model and context of the eval_perplexity stages) against the
+values recorded from an earlier run with the same params (`recorded`, pipelines/recorded.yaml; a
+record is keyed by a hash of the params sections that determine the perplexities, REGRESSION_SECTIONS).
+Each becomes a row of the same schema, within `regression_tolerance` (relative) of the recorded value.
+After a change meant to move them: `python -m pipelines.record`.
+
 Run:
     python -m stages.report --output reports --inputs data/prepare_data data/tokenize ...
     snakemake --cores all report              # or: dvc repro report
@@ -23,6 +29,7 @@ Run:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -41,10 +48,22 @@ RELATIONS = {
 }
 
 
+# The params sections that determine the eval_perplexity stages' numbers.
+REGRESSION_SECTIONS = ("prepare_data", "tokenize", "pretrain", "extend_context", "eval_perplexity")
+
+
 @dataclass(frozen=True)
 class Config:
     strict: bool
     """Fail the stage (after writing the report) when a reproduced result is outside its tolerance."""
+    recorded: str
+    """YAML file of recorded perplexities, the regression baseline ("" for none)."""
+    regression_tolerance: float
+    """Relative distance from a recorded perplexity that still passes."""
+
+    def __post_init__(self):
+        if not 0 <= self.regression_tolerance < 1:
+            raise ValueError("regression_tolerance must be in [0, 1)")
 
 
 def stage_label(folder: Path) -> str:
@@ -93,6 +112,16 @@ def render_markdown(doc: dict) -> str:
     if not doc["rows"]:
         lines.append("| " + " | ".join(["-"] * len(ROW_FIELDS)) + " |")
         lines += ["", "_No stage of this pipeline reproduces a published result yet._"]
+    reg = doc.get("regression")
+    if reg is not None and reg["source"]:
+        lines += ["", "## Regression against a recorded run", ""]
+        if reg["rows"]:
+            lines += [f"Our perplexities against those recorded under the same params (fingerprint `{reg['params']}`, "
+                      f"recorded {reg['recorded']}).", "", "| " + " | ".join(ROW_FIELDS) + " |", "|" + "---|" * len(ROW_FIELDS)]
+            lines += ["| " + " | ".join(fmt(row[k]) for k in ROW_FIELDS) + " |" for row in reg["rows"]]
+        else:
+            lines.append(f"_No recorded perplexities for these params (fingerprint `{reg['params']}`); "
+                         "record this run's with `python -m pipelines.record`._")
     lines += ["", "## Stage metrics", ""]
     for label, metrics in doc["stage_metrics"].items():
         lines += [f"### {label}", "", "| metric | value |", "|---|---|"]
@@ -131,6 +160,50 @@ def build_report(inputs: list[Path]) -> dict:
             "stage_metrics": stage_metrics, "comparisons": comparisons(stage_metrics), "plots": plots}
 
 
+def params_fingerprint(params: dict) -> str:
+    """Which record a run compares with: a hash of the params sections behind its perplexities."""
+    chosen = {name: params.get(name) for name in REGRESSION_SECTIONS}
+    return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def perplexities(stage_metrics: dict) -> dict:
+    """{eval stage label: {model: {context: token perplexity}}} from the eval_perplexity stages' metrics."""
+    out = {}
+    for label, metrics in stage_metrics.items():
+        if label.split("/")[0] == "eval_perplexity":
+            out[label] = {model: {int(v["context"]): v["perplexity"] for v in by_ctx.values()}
+                          for model, by_ctx in metrics.get("models", {}).items()}
+    return out
+
+
+def read_records(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise config.UserError(f"report.recorded: {path} not found; set report.recorded to the file of recorded "
+                               "perplexities (pipelines/recorded.yaml) or to \"\" for none")
+    return config.read_yaml(path).get("records") or []
+
+
+def regression(stage_metrics: dict, params: dict, cfg: Config, commit: str) -> dict:
+    """Rows comparing this run's perplexities with the record made under the same params."""
+    fingerprint = params_fingerprint(params)
+    record = next((r for r in read_records(Path(cfg.recorded)) if r.get("params") == fingerprint), None) \
+        if cfg.recorded else None
+    rows = []
+    if record is not None:
+        ours = perplexities(stage_metrics)
+        for label, models in record["perplexity"].items():
+            for model, by_ctx in models.items():
+                for ctx, value in by_ctx.items():
+                    got = ours.get(label, {}).get(model, {}).get(int(ctx))
+                    tol = round(cfg.regression_tolerance * value, 6)
+                    rows.append({
+                        "result": f"token perplexity, {model} at {ctx} tokens", "paper": f"recorded run ({record['recorded']})",
+                        "relation": "=", "published": value, "ours": got, "tolerance": tol,
+                        "pass": got is not None and math.isfinite(got) and abs(got - value) <= tol,
+                        "stage": label, "git_commit": commit, "data_hashes": {}})
+    return {"source": cfg.recorded, "params": fingerprint, "recorded": record["recorded"] if record else None, "rows": rows}
+
+
 def comparisons(stage_metrics: dict) -> dict:
     """{stage: {item: metrics}} for every stage run once per item with two items or more."""
     groups: dict[str, dict] = {}
@@ -152,16 +225,20 @@ def main(argv=None) -> dict:
             metric_files = [p / "metrics.json" for p in inputs if (p / "metrics.json").is_file()]
             with track.start_run(STAGE, config.as_dict(cfg), ckpt.hash_files(metric_files), rt) as tracker:
                 doc = build_report(inputs)
+                doc["regression"] = regression(doc["stage_metrics"], config.read_yaml(args.params), cfg, doc["git_commit"])
                 output = Path(args.output)
                 with ckpt.atomic_dir(output) as tmp:
                     ckpt.write_json(tmp / "results.json", doc)
                     (tmp / "results.md").write_text(render_markdown(doc), encoding="utf-8")
                 passed = [r["pass"] for r in doc["rows"]]
-                tracker.log_metrics({"rows": len(passed), "rows_passed": passed.count(True), "rows_failed": passed.count(False)})
+                regressed = [r["pass"] for r in doc["regression"]["rows"]]
+                tracker.log_metrics({"rows": len(passed), "rows_passed": passed.count(True), "rows_failed": passed.count(False),
+                                     "regression_rows": len(regressed), "regression_rows_failed": regressed.count(False)})
                 tracker.log_artifact(output / "results.md")
                 tracker.log_artifact(output / "results.json")
-            print(f"report: {len(doc['rows'])} reproduced result(s), {len(doc['stage_metrics'])} stage(s) -> {args.output}/results.md")
-            failed = [r["result"] for r in doc["rows"] if r["pass"] is False]
+            print(f"report: {len(doc['rows'])} reproduced result(s), {len(doc['regression']['rows'])} regression row(s), "
+                  f"{len(doc['stage_metrics'])} stage(s) -> {args.output}/results.md")
+            failed = [r["result"] for r in doc["rows"] + doc["regression"]["rows"] if r["pass"] is False]
             if cfg.strict and failed:
                 raise config.UserError(f"report: outside tolerance: {', '.join(failed)} (report.strict is true)")
         return dist.broadcast_object(doc)

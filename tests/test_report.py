@@ -28,7 +28,7 @@ def tree(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.delenv("PIPELINE_RUN_ID", raising=False)
-    (tmp_path / "params.yaml").write_text("report:\n  strict: false\n")
+    (tmp_path / "params.yaml").write_text('report:\n  strict: false\n  recorded: ""\n  regression_tolerance: 0.02\n')
     prep = stage_folder(tmp_path, "prepare_data", metrics={"train_bytes": 10})
     (prep / "meta.json").write_text(json.dumps({"files": {"planetoid/Cora/raw/ind.cora.x": "ab" * 32}}))
     stage_folder(tmp_path, "train_gnn", metrics={"gcn": {"test_acc": 0.81}}, plot=True, rows=[
@@ -104,3 +104,43 @@ def test_items_of_one_stage_are_compared_side_by_side(tree):
     assert "## Comparison: finetune_qlora\n\n| metric | nf4 | none |\n|---|---|---|\n" in md
     assert "| eval_loss | 2.01 | 2 |\n| peak_memory_mb | 700 | 900 |\n" in md
     assert "| bits |" not in md.split("## Comparison")[1], "only the metrics every item has"
+
+
+def eval_metrics(root, label, ppl):
+    stage_folder(root, f"eval_perplexity/{label}", metrics={"models": {
+        model: {f"ctx{ctx}": {"context": ctx, "perplexity": v} for ctx, v in by_ctx.items()}
+        for model, by_ctx in ppl.items()}})
+
+
+def test_perplexities_regress_against_the_record_of_the_same_params(tree, monkeypatch):
+    from pipelines import record
+
+    (tree / "params.yaml").write_text("report:\n  strict: false\n  recorded: recorded.yaml\n  regression_tolerance: 0.02\n"
+                                      "pretrain:\n  steps: 10\n")
+    eval_metrics(tree, "pretrain", {"pretrain": {64: 100.0, 128: 120.0}})
+    monkeypatch.setattr(record.track, "git_commit", lambda: "c0ffee" * 7)
+    entry = record.record(tree / "params.yaml", tree / "data", tree / "recorded.yaml", preset="test")
+    assert entry["perplexity"] == {"eval_perplexity/pretrain": {"pretrain": {64: 100.0, 128: 120.0}}}
+    # A later run: one perplexity moved 1% (passes), one 5% (fails), one recorded context is missing.
+    stage_folder(tree, "eval_perplexity/pretrain2")  # a folder without perplexities changes nothing
+    (tree / "data/eval_perplexity/pretrain/metrics.json").write_text(json.dumps({"models": {"pretrain": {
+        "ctx64": {"context": 64, "perplexity": 101.0}, "ctx256": {"context": 256, "perplexity": 150.0}}}}))
+    inputs = ["data/eval_perplexity/pretrain", "data/eval_perplexity/pretrain2"]
+    doc = report.main(["--output", "reports", "--inputs", *inputs])
+    rows = doc["regression"]["rows"]
+    assert [tuple(r) for r in rows] == [report.ROW_FIELDS] * 2
+    assert [(r["result"], r["published"], r["ours"], r["pass"]) for r in rows] == [
+        ("token perplexity, pretrain at 64 tokens", 100.0, 101.0, True),
+        ("token perplexity, pretrain at 128 tokens", 120.0, None, False)]
+    assert rows[0]["tolerance"] == 2.0 and rows[0]["stage"] == "eval_perplexity/pretrain"
+    md = (tree / "reports/results.md").read_text()
+    assert "## Regression against a recorded run" in md and "| token perplexity, pretrain at 128 tokens |" in md
+    # Other params: no record applies, and the report says how to make one.
+    (tree / "params.yaml").write_text((tree / "params.yaml").read_text().replace("steps: 10", "steps: 11"))
+    doc = report.main(["--output", "reports", "--inputs", *inputs])
+    assert doc["regression"]["rows"] == [] and doc["regression"]["recorded"] is None
+    assert "python -m pipelines.record" in (tree / "reports/results.md").read_text()
+    # Under the recorded params again, strict: the failed regression row fails the stage.
+    (tree / "params.yaml").write_text((tree / "params.yaml").read_text().replace("steps: 11", "steps: 10"))
+    with pytest.raises(config.UserError, match="pretrain at 128 tokens"):
+        report.main(["--output", "reports", "--inputs", *inputs, "strict=true"])
