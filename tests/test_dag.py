@@ -28,6 +28,15 @@ def test_dvc_yaml_is_generated_from_the_table():
     assert (ROOT / "dvc.yaml").read_text() == dag.render_dvc(dag.load_table()), "run: python -m pipelines.dag write"
 
 
+def test_the_readme_draws_the_current_graph(tmp_path):
+    """The README's mermaid block is what `dvc dag --mermaid` prints for this dvc.yaml."""
+    repo = copy_repo(tmp_path)
+    shown = subprocess.run(["dvc", "dag", "--mermaid"], cwd=repo, capture_output=True, text=True, check=True).stdout
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("```mermaid\n", 1)[1].split("```", 1)[0]
+    assert block.strip() == shown.strip(), "paste `dvc dag --mermaid` into the README's mermaid block"
+
+
 def test_dvc_and_snakemake_see_the_same_stages():
     assert dag.disagreements(ROOT) == []
     stages = dag.dvc_view(ROOT)
