@@ -180,15 +180,14 @@ def kill_everything_in(folder: Path) -> int:
     return killed
 
 
-@pytest.mark.timeout(900)
-def test_killed_pipeline_resumes_from_the_stage_checkpoint(clone):
-    """The pipeline killed mid-pretrain, every process at once: the re-run, with the profile `make run`
-    uses, finishes pretrain from its newest checkpoint instead of starting over."""
+def set_pretrain(clone: Path, **values) -> None:
     params = yaml.safe_load((clone / "params.yaml").read_text())
-    params["pretrain"].update(steps=400, checkpoint_every=20, eval_every=400)
+    params["pretrain"].update(values)
     (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    assert "\tsnakemake --profile pipelines/profiles/local --cores all\n" in (ROOT / "Makefile").read_text()
-    run = "snakemake --profile pipelines/profiles/local --cores 2 pretrain"
+
+
+def start_and_stop_mid_pretrain(clone: Path, run: str, stop) -> None:
+    """Start the pipeline, wait for pretrain's first checkpoint of this run, then stop it with `stop`."""
     checkpoints = clone / "checkpoints" / "pretrain"
     before = set(checkpoints.glob("*/step-*"))
     proc = subprocess.Popen(run, shell=True, cwd=clone, env=env_for(clone), start_new_session=True,
@@ -198,12 +197,36 @@ def test_killed_pipeline_resumes_from_the_stage_checkpoint(clone):
         assert proc.poll() is None, "the pipeline ended before pretrain wrote a checkpoint"
         assert time.time() < deadline, "no pretrain checkpoint after 600 s"
         time.sleep(0.2)
-    assert kill_everything_in(clone) > 0
-    proc.wait(60)
-    assert not (clone / "data/pretrain/meta.json").exists(), "the kill landed after pretrain had finished"
+    stop(proc)
+    proc.wait(120)
+    assert not (clone / "data/pretrain/meta.json").exists(), "the stop landed after pretrain had finished"
 
-    assert snakemake_ran(sh(run, clone)) == {"pretrain"}
+
+def resumed_step(clone: Path) -> int:
     log = (clone / "logs/pretrain.log").read_text()
     resumed = re.search(r"resuming from \S+ \(step (\d+)\)", log)
-    assert resumed and int(resumed.group(1)) >= 20, log[-3000:]
+    assert resumed, log[-3000:]
+    return int(resumed.group(1))
+
+
+@pytest.mark.timeout(1200)
+def test_stopped_pipeline_resumes_from_the_stage_checkpoint(clone):
+    """The pipeline stopped mid-pretrain, by Ctrl-C and by a lost machine (every process killed): the
+    re-run, with the profile `make run` uses, finishes pretrain from its newest checkpoint."""
+    assert "\tsnakemake --profile pipelines/profiles/local --cores all\n" in (ROOT / "Makefile").read_text()
+    run = "snakemake --profile pipelines/profiles/local --cores 2 pretrain"
+
+    # Ctrl-C: the terminal signals the foreground process group; pretrain saves a checkpoint and exits.
+    set_pretrain(clone, steps=400, checkpoint_every=20, eval_every=400)
+    start_and_stop_mid_pretrain(clone, run, lambda proc: os.killpg(proc.pid, signal.SIGINT))
+    assert snakemake_ran(sh(run, clone)) == {"pretrain"}
+    assert resumed_step(clone) >= 20
     assert json.loads((clone / "data/pretrain/meta.json").read_text())["step"] == 400
+
+    # A lost machine: no process survives to clean up. Snakemake keeps its lock until told to drop it.
+    set_pretrain(clone, steps=300)
+    start_and_stop_mid_pretrain(clone, run, lambda proc: kill_everything_in(clone))
+    sh("snakemake --unlock", clone)
+    assert snakemake_ran(sh(run, clone)) == {"pretrain"}
+    assert resumed_step(clone) >= 20
+    assert json.loads((clone / "data/pretrain/meta.json").read_text())["step"] == 300
