@@ -311,8 +311,9 @@ def run(cfg: Config, records: list[dict], records_path: Path, output: Path, rt: 
         hist = result["history"]
         if hist["val_step"] and hist["val_step"][-1] == cfg.steps:
             eval_loss = hist["val_loss"][-1]
-        else:
+        else:  # the final eval, also the last point of the eval-loss curve
             eval_loss = loop.evaluate(result["model"], eval_src, lcfg, rt)
+            hist = {**hist, "val_step": [*hist["val_step"], cfg.steps], "val_loss": [*hist["val_loss"], eval_loss]}
         peak = max(dist.gather_objects(peak_memory_mb(rt.device)))
         adapter_sd = loop.full_state_dict(result["model"], rt, trainable_only=True)
         trained = None if rt.distributed else result["model"]

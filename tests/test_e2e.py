@@ -138,6 +138,8 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     page = (clone / "dvc_plots/index.html").read_text()
     assert not re.search(r"<script[^>]+src=", page) and "vegaEmbed" in page
     assert all(p in page for p in ("data/pretrain/plots/val_loss.csv", "data/finetune_qlora/nf4/plots/loss.csv"))
+    evals = (clone / "data/finetune_qlora/nf4/plots/eval_loss.csv").read_text().splitlines()
+    assert len(evals) >= 2, "the final eval loss is the last point of its curve"
 
     # A deleted output re-runs its stage and its dependents only.
     sh("rm -rf data/context_study", clone)

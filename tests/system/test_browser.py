@@ -162,6 +162,8 @@ def test_dvc_plots_render_offline_in_chromium(tmp_path_factory, mirror, tmp_path
     assert not re.search(r"<script[^>]+src=", text), "the page loads a script from elsewhere"
 
     line_plots = [next(iter(e)) for e in dag.dvc_document(dag.load_table())["plots"] if isinstance(e, dict)]
+    empty = [p for p in line_plots if len((clone / p).read_text().splitlines()) < 2]
+    assert not empty, f"line plots without data (DVC draws them blank): {empty}"
     # A proxy that refuses every connection: nothing outside the file can load.
     dom = render(page.as_uri(), tmp_path / "profile", "--proxy-server=127.0.0.1:9", "--dump-dom")
     drawn = re.findall(r'<svg[^>]*class="marks"[^>]*width="(\d+)"', dom)

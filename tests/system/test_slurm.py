@@ -136,14 +136,12 @@ def test_warning_signal_checkpoints_requeues_and_resumes(cluster, tmp_path_facto
         time.sleep(1)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
 
-    # A requeued job becomes eligible again after a delay (about 2 minutes); let it start at once, but
-    # only once the first start has left the node: a start while it is still completing fails.
+    # The requeued job starts again after SLURM's requeue delay (about 2 minutes). It is not hurried:
+    # until then slurmd still holds the first start's revoked credential and kills an early start.
     deadline = time.time() + 120
-    while not (cluster.job(job_id)["Restarts"] != "0" and cluster.job(job_id)["JobState"] == "PENDING"
-               and cluster.node_idle()):
+    while cluster.job(job_id)["Restarts"] == "0":
         assert time.time() < deadline, f"job {job_id} was not requeued: {cluster.job(job_id)}\n{log.read_text()[-3000:]}"
         time.sleep(1)
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
     info = cluster.wait_job(job_id, seconds=900)
     text = log.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text[-3000:]}"
