@@ -1,6 +1,6 @@
 """Pretrain throughput: the stage's training loop vs a bare PyTorch loop and the Hugging Face Trainer.
 
-    python bench/pretrain_throughput.py [--steps 15] [--repeats 2]
+    python bench/pretrain_throughput.py [--steps 15] [--repeats 2] [--compile]
 
 Same Llama model (hidden 256, 4 layers, 8 heads, MLP 688, vocab 4096: 5.3M parameters), same random
 token data, batch 8 x 256, AdamW, fp32, one process on all cores, in one run; the runs alternate and
@@ -11,6 +11,8 @@ each reports its best. Figures printed:
   stage FLOP/s / matmul model FLOPs per token x tokens/s, over a 2048^3 fp32 matmul's FLOP/s measured
                         here, now (model FLOPs per token = 6 x non-embedding parameters, output head
                         included, + 12 x layers x context x hidden)
+With --compile, the stage also runs with `compile: true` (torch.compile of the model; its first step,
+which compiles, is left out like every first step) and its figures are printed beside the eager ones.
 The first step of every run (allocation, warm-up) is left out of its timing.
 Goals: >= 1.0x the bare loop, >= 1.05x Trainer, >= 0.6 of the matmul rate.
 """
@@ -45,19 +47,19 @@ def make_model(seed: int = 0):
     ))
 
 
-def loop_cfg(steps: int) -> loop.LoopConfig:
+def loop_cfg(steps: int, compile: bool = False) -> loop.LoopConfig:
     return loop.LoopConfig(
         steps=steps, batch_size=BATCH, micro_batch_size=BATCH, context_length=CONTEXT, lr=1e-3, min_lr=1e-4,
         warmup_steps=2, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, strategy="ddp",
-        activation_checkpointing=False, compile=False, eval_every=0, eval_batches=0, checkpoint_every=0,
+        activation_checkpointing=False, compile=compile, eval_every=0, eval_batches=0, checkpoint_every=0,
         log_every=10**9, seed=0, peak_tflops=1.0,
     )
 
 
-def run_stage(tokens: np.ndarray, steps: int) -> float:
+def run_stage(tokens: np.ndarray, steps: int, compile: bool = False) -> float:
     rt = dist.Runtime(0, 1, 0, 1, torch.device("cpu"))
     with tempfile.TemporaryDirectory() as tmp:
-        out = loop.train(make_model(), tokens, tokens, loop_cfg(steps), rt, Path(tmp), track.Tracker(None), dist.StopFlag())
+        out = loop.train(make_model(), tokens, tokens, loop_cfg(steps, compile), rt, Path(tmp), track.Tracker(None), dist.StopFlag())
     return out["tokens_per_s"]
 
 
@@ -124,6 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="also run the stage with compile: true")
     args = parser.parse_args()
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
@@ -133,6 +136,8 @@ def main() -> None:
         best["stage"] = max(best["stage"], run_stage(tokens, args.steps))
         best["bare"] = max(best["bare"], run_bare(tokens, args.steps))
         best["trainer"] = max(best["trainer"], run_trainer(tokens, args.steps))
+        if args.compile:
+            best["compiled"] = max(best.get("compiled", 0.0), run_stage(tokens, args.steps, compile=True))
     rate = matmul_flops()
     fpt = loop.flops_per_token(make_model(), CONTEXT)
     print(f"model: {sum(p.numel() for p in make_model().parameters()) / 1e6:.1f}M parameters, "
@@ -144,6 +149,11 @@ def main() -> None:
     print(f"stage / bare loop:      {best['stage'] / best['bare']:.2f}  (goal >= 1.0)")
     print(f"stage / Trainer:        {best['stage'] / best['trainer']:.2f}  (goal >= 1.05)")
     print(f"stage FLOP/s / matmul:  {fpt * best['stage'] / rate:.2f}  (goal >= 0.6)")
+    if "compiled" in best:
+        print(f"compiled stage           {best['compiled']:>10,.0f} tokens/s")
+        print(f"compiled / bare loop:   {best['compiled'] / best['bare']:.2f}")
+        print(f"compiled / Trainer:     {best['compiled'] / best['trainer']:.2f}")
+        print(f"compiled FLOP/s / matmul: {fpt * best['compiled'] / rate:.2f}  (goal >= 0.6)")
 
 
 if __name__ == "__main__":
