@@ -9,8 +9,9 @@ libraries inlined from the installed vl-convert-python, so `dvc plots show` rend
 """
 
 import argparse
-import os
 from pathlib import Path
+
+from stages.common import ckpt
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = ROOT / ".dvc" / "plots" / "offline.html"
@@ -55,9 +56,7 @@ def write(path: Path = TEMPLATE) -> bool:
     if path.is_file() and path.read_text(encoding="utf8") == text:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf8")
-    os.replace(tmp, path)
+    ckpt.write_text(path, text)
     return True
 
 

@@ -14,13 +14,12 @@ import argparse
 import datetime
 import io
 import json
-import os
 from pathlib import Path
 
 import yaml
 
 from stages import report
-from stages.common import track
+from stages.common import ckpt, config, track
 
 RECORDED = Path(__file__).resolve().parent / "recorded.yaml"
 HEADER = """\
@@ -43,8 +42,7 @@ def collect(data: Path) -> dict:
 
 
 def record(params_file: Path, data: Path, path: Path = RECORDED, preset: str = "") -> dict:
-    with open(params_file) as fh:
-        params = yaml.safe_load(fh)
+    params = config.read_yaml(params_file)
     entry = {"params": report.params_fingerprint(params),
              "recorded": f"{datetime.date.today().isoformat()}, commit {track.git_commit()[:12]}",
              **({"preset": preset} if preset else {}),
@@ -54,9 +52,7 @@ def record(params_file: Path, data: Path, path: Path = RECORDED, preset: str = "
     out = io.StringIO()
     out.write(HEADER)
     yaml.safe_dump({"records": records}, out, sort_keys=False)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(out.getvalue())
-    os.replace(tmp, path)
+    ckpt.write_text(path, out.getvalue())
     return entry
 
 

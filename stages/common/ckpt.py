@@ -97,12 +97,17 @@ def atomic_dir(final: str | Path, rt: dist.Runtime | None = None):
             dist.barrier()
 
 
-def write_json(path: str | Path, obj) -> None:
-    """Write JSON via a temporary file and rename."""
+def write_text(path: str | Path, text: str) -> None:
+    """Write a text file via a temporary file and rename: readers see the old file or the new one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def write_json(path: str | Path, obj) -> None:
+    """Write JSON via a temporary file and rename."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
