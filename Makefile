@@ -47,7 +47,7 @@ dag: $(STAMP)
 
 bench: $(STAMP)
 	python bench/tokenize_throughput.py
-	python bench/pretrain_throughput.py
+	python bench/pretrain_throughput.py --compile
 	python bench/eval_throughput.py
 	python bench/gnn_epoch.py
 	python bench/qlora_memory.py

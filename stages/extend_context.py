@@ -85,6 +85,7 @@ class Config:
     """ddp | fsdp."""
     activation_checkpointing: bool
     compile: bool
+    compile_mode: str
     eval_every: int
     eval_batches: int
     checkpoint_every: int
@@ -105,6 +106,7 @@ class Config:
                              f"{', '.join([UNSCALED, *self.variants])}, each at most once")
         if self.strategy not in loop.STRATEGIES:
             raise ValueError(f"strategy: unknown strategy {self.strategy!r}; valid: {', '.join(loop.STRATEGIES)}")
+        loop.check_compile_mode(self.compile_mode)
         if min(self.steps, self.batch_size, self.micro_batch_size, self.log_every) < 1:
             raise ValueError("steps, batch_size, micro_batch_size and log_every must be >= 1")
 

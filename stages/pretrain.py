@@ -70,7 +70,9 @@ class Config:
     """ddp | fsdp (FSDP2 fully_shard per decoder layer, then the root)."""
     activation_checkpointing: bool
     compile: bool
-    """torch.compile the model (per layer under fsdp)."""
+    """torch.compile the model (per layer under fsdp) and the loss."""
+    compile_mode: str
+    """torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs."""
     eval_every: int
     """Validation loss every N steps (0: only never)."""
     eval_batches: int
@@ -85,6 +87,7 @@ class Config:
     def __post_init__(self):
         if self.strategy not in loop.STRATEGIES:
             raise ValueError(f"strategy: unknown strategy {self.strategy!r}; valid: {', '.join(loop.STRATEGIES)}")
+        loop.check_compile_mode(self.compile_mode)
         if self.context_length > self.max_position_embeddings:
             raise ValueError(f"context_length ({self.context_length}) exceeds max_position_embeddings "
                              f"({self.max_position_embeddings}); lower it or raise max_position_embeddings")

@@ -19,6 +19,7 @@ parameters, and its checkpoints hold only those (the frozen base is reloaded fro
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import shutil
@@ -38,6 +39,9 @@ from stages.common import ckpt, dist
 
 STRATEGIES = ("ddp", "fsdp")
 IGNORE_INDEX = -100  # targets that carry no loss
+# torch.compile modes; the max-autotune ones also tune the matrix multiplies (Triton on GPUs) and
+# compile longer.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,12 @@ class LoopConfig:
     log_every: int
     seed: int
     peak_tflops: float
+    compile_mode: str = "default"  # with compile: the torch.compile mode, one of COMPILE_MODES
+
+
+def check_compile_mode(mode: str) -> None:
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode: unknown torch.compile mode {mode!r}; valid: {', '.join(COMPILE_MODES)}")
 
 
 def grad_accum_steps(cfg: LoopConfig, world_size: int) -> int:
@@ -119,12 +129,12 @@ def wrap(model, cfg: LoopConfig, rt: dist.Runtime):
     if cfg.activation_checkpointing:
         model.activation_checkpointing_enable()
     if not rt.distributed:
-        return torch.compile(model) if cfg.compile else model
+        return torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     if cfg.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
-        return torch.compile(model) if cfg.compile else model
+        return torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -134,7 +144,7 @@ def wrap(model, cfg: LoopConfig, rt: dist.Runtime):
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
         if cfg.compile:
-            layer.compile()
+            layer.compile(mode=cfg.compile_mode)
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
@@ -194,12 +204,26 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     return extra
 
 
-def lm_loss(model, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Next-token cross-entropy over targets other than IGNORE_INDEX, their mean or sum; y is x shifted
-    by one, (B, T) each. Logits in fp32."""
-    logits = model(input_ids=x, use_cache=False).logits  # (B, T, V); no KV cache while training
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of (B, T, V) logits, in fp32, against (B, T) targets other than IGNORE_INDEX."""
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
                                              reduction=reduction)
+
+
+@functools.cache
+def compiled_cross_entropy(mode: str):
+    """cross_entropy under torch.compile: the fp32 cast, log-softmax and target gather fuse into passes
+    over the logits, and the (B, T, V) log-probabilities are never written out."""
+    return torch.compile(cross_entropy, mode=mode)
+
+
+def lm_loss(model, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean",
+            compile_mode: str | None = None) -> torch.Tensor:
+    """Next-token cross-entropy over targets other than IGNORE_INDEX, their mean or sum; y is x shifted
+    by one, (B, T) each. Logits in fp32. With a compile_mode, the loss runs compiled in that mode."""
+    logits = model(input_ids=x, use_cache=False).logits  # (B, T, V); no KV cache while training
+    loss_fn = cross_entropy if compile_mode is None else compiled_cross_entropy(compile_mode)
+    return loss_fn(logits, y, reduction)
 
 
 def global_target_count(targets: list[torch.Tensor], rt: dist.Runtime) -> torch.Tensor:
@@ -223,7 +247,8 @@ def evaluate(model, windows, cfg: LoopConfig, rt: dist.Runtime) -> float:
             index = (m * rt.world_size + rt.rank) * cfg.micro_batch_size
             x, y = windows.batch(-1 - b, index, cfg.micro_batch_size)
             with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=dist.compute_dtype(rt.device) == torch.bfloat16):
-                loss = lm_loss(model, x.to(rt.device), y.to(rt.device), reduction="sum")
+                loss = lm_loss(model, x.to(rt.device), y.to(rt.device), reduction="sum",
+                               compile_mode=cfg.compile_mode if cfg.compile else None)
             total += torch.tensor([loss.item(), float((y != IGNORE_INDEX).sum())], dtype=torch.float64,
                                   device=rt.device)
     model.train()
@@ -254,6 +279,7 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
         dist.print0(f"resuming from {latest} (step {start})", rt=rt)
     amp = torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=dist.compute_dtype(rt.device) == torch.bfloat16)
     tokens_per_step = cfg.batch_size * cfg.context_length
+    compile_mode = cfg.compile_mode if cfg.compile else None
     stopped = False
     bar = dist.progress(total=cfg.steps, initial=start, desc="train", rt=rt)
     step_times = []  # seconds of each step's forward/backward/update (validation and saving excluded)
@@ -274,7 +300,7 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
             # DDP: all-reduce gradients only on the last micro-batch of the step.
             no_sync = rt.distributed and not last and cfg.strategy == "ddp"
             with (model.no_sync() if no_sync else contextlib.nullcontext()), amp:
-                loss = lm_loss(model, x, y, reduction="sum") * scale.to(torch.float32)
+                loss = lm_loss(model, x, y, reduction="sum", compile_mode=compile_mode) * scale.to(torch.float32)
                 loss.backward()
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
