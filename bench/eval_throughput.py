@@ -15,10 +15,15 @@ alternating `--repeats` times, and prints the best tokens/s of each, their ratio
 baseline >= 10) and whether the perplexities agree. Both run on the device the stage picks (CUDA when
 available, in bf16; else the CPU in fp32).
 
-On this 2-core CPU the ratio is about 1x on a quiet machine: a 256-token window already keeps the
-matrix multiplies at the CPU's peak (~11k tokens/s either way, ~120 GFLOP/s). Batch 1 falls far
-behind only when other processes take cores (each small op waits for a descheduled thread), and on
-GPUs, where a batch-1 forward pass is bound by kernel launches.
+It also prints the bound physics puts on that ratio: the baseline's model FLOP/s (forward FLOPs per
+token = 2 x non-embedding parameters, output head included, + 4 x layers x context x hidden, times
+the tokens its windows hold) over the device's dense matrix-multiply rate, measured in the same run
+(a 4096^3 multiply). Batching can speed a loop up at most by the inverse of that fraction.
+
+On a 2-core CPU the bound is about 3x: one 256-token window is already a large enough matrix multiply
+that batch 1 runs at ~0.35 of the matmul rate (~9k tokens/s), and the stage's batches at ~0.45
+(the rest is attention, normalisation and softmax). Batch 1 falls far behind on GPUs, where a
+batch-1 forward pass of a small model is bound by kernel launches, not by arithmetic.
 """
 
 from __future__ import annotations
@@ -44,9 +49,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @torch.inference_mode()
 def baseline(model, ids: torch.Tensor, context: int, stride: int) -> tuple[float, int, float]:
-    """(nll sum, scored tokens, seconds) of the guide's loop, batch 1."""
+    """(nll sum, scored tokens, tokens in the windows, seconds) of the guide's loop, batch 1."""
     n = len(ids)
-    nll_sum, n_tokens, scored_to = 0.0, 0, 0
+    nll_sum, n_tokens, scored_to, seen = 0.0, 0, 0, 0
     ids = ids.to(model.device)
     t0 = time.perf_counter()
     for begin in range(0, n - 1, stride):
@@ -58,12 +63,28 @@ def baseline(model, ids: torch.Tensor, context: int, stride: int) -> tuple[float
         loss = model(input_ids, labels=labels, shift_labels=labels, use_cache=False).loss
         nll_sum += loss.item() * new
         n_tokens += new
+        seen += end - begin
         scored_to = end
         if end == n - 1:
             break
     if model.device.type == "cuda":
         torch.cuda.synchronize()
-    return nll_sum, n_tokens, time.perf_counter() - t0
+    return nll_sum, n_tokens, seen, time.perf_counter() - t0
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 4096, repeats: int = 5) -> float:
+    """The device's dense matrix-multiply rate, FLOP/s."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
 
 
 def main() -> None:
@@ -106,16 +127,20 @@ def main() -> None:
             position_buckets=(), max_tokens=0, prepend_bos=True)).ids
         device = dist.init().device
         model = AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=dist.compute_dtype(device)).to(device).eval()
-        base_tps, stage = 0.0, None
+        base_tps, stage, rate = 0.0, None, 0.0
+        dtype = dist.compute_dtype(device)
         for _ in range(args.repeats):
             m = eval_perplexity.main(stage_args)["models"]["bench"][f"ctx{args.context}"]
             stage = m if stage is None or m["tokens_per_s"] > stage["tokens_per_s"] else stage
-            nll_sum, n_tokens, seconds = baseline(model, stream, args.context, args.stride)
+            nll_sum, n_tokens, seen, seconds = baseline(model, stream, args.context, args.stride)
             base_tps = max(base_tps, n_tokens / seconds)
+            rate = max(rate, matmul_flops(device, dtype))
+        c = model.config
+        forward_fpt = 2 * (params - c.vocab_size * c.hidden_size) + 4 * c.num_hidden_layers * args.context * c.hidden_size
+        base_fraction = forward_fpt * base_tps * seen / n_tokens / rate
 
     base_ppl = math.exp(nll_sum / n_tokens)
     rel = abs(stage["perplexity"] - base_ppl) / base_ppl
-    dtype = dist.compute_dtype(device)
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # bf16 logits round differently per batch shape
     print(f"model: Llama {params / 1e6:.1f}M params (random weights), vocab {len(tok)}, {device} {dtype}, "
           f"{torch.get_num_threads()} threads; text: TinyShakespeare, {len(stream):,} tokens; "
@@ -124,6 +149,9 @@ def main() -> None:
           f"perplexity {stage['perplexity']:.6f} over {stage['tokens']:,} tokens")
     print(f"baseline (batch  1): {base_tps:>10,.0f} tokens/s  perplexity {base_ppl:.6f} over {n_tokens:,} tokens")
     print(f"ratio stage/baseline: {stage['tokens_per_s'] / base_tps:.1f}x  (goal >= 10)")
+    print(f"the baseline runs at {base_fraction:.2f} of the {rate / 1e9:,.0f} GFLOP/s matmul rate: batching can gain "
+          f"at most {1 / base_fraction:.1f}x here; the stage runs at "
+          f"{base_fraction * stage['tokens_per_s'] / base_tps:.2f} of it")
     print(f"perplexities agree: {rel < tolerance and n_tokens == stage['tokens']} (relative difference {rel:.1e}, "
           f"tokens {stage['tokens']:,} vs {n_tokens:,})")
 
