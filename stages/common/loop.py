@@ -133,7 +133,9 @@ def wrap(model, cfg: LoopConfig, rt: dist.Runtime):
     if cfg.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+        # No buffer broadcast before each forward: the model's buffers (RoPE frequencies) are the same
+        # on every rank by construction, and the broadcast breaks torch.compile's graph.
+        model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None, broadcast_buffers=False)
         return torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
