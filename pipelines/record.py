@@ -46,7 +46,9 @@ def record(params_file: Path, data: Path, path: Path = RECORDED, preset: str = "
     entry = {"params": report.params_fingerprint(params),
              "recorded": f"{datetime.date.today().isoformat()}, commit {track.git_commit()[:12]}",
              **({"preset": preset} if preset else {}),
-             "perplexity": collect(data)}
+             "perplexity": collect(data),
+             # the params behind them, for the report to name what differs when no record matches
+             "sections": report.regression_params(params)}
     records = (yaml.safe_load(path.read_text()) or {}).get("records") or [] if path.is_file() else []
     records = [r for r in records if r.get("params") != entry["params"]] + [entry]
     out = io.StringIO()

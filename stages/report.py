@@ -20,7 +20,8 @@ Regression: our own perplexities (every model and context of the eval_perplexity
 values recorded from an earlier run with the same params (`recorded`, pipelines/recorded.yaml; a
 record is keyed by a hash of the params sections that determine the perplexities, REGRESSION_SECTIONS).
 Each becomes a row of the same schema, within `regression_tolerance` (relative) of the recorded value.
-After a change meant to move them: `python -m pipelines.record`.
+Without a record for these params, the report names the nearest record and the settings that differ
+(records keep their params sections). After a change meant to move them: `python -m pipelines.record`.
 
 Run:
     python -m stages.report --output reports --inputs data/prepare_data data/tokenize ...
@@ -50,6 +51,7 @@ RELATIONS = {
 
 # The params sections that determine the eval_perplexity stages' numbers.
 REGRESSION_SECTIONS = ("prepare_data", "tokenize", "pretrain", "extend_context", "eval_perplexity")
+MAX_DIFFERENCES = 20  # differing settings listed under a missing record
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,14 @@ def render_markdown(doc: dict) -> str:
         else:
             lines.append(f"_No recorded perplexities for these params (fingerprint `{reg['params']}`); "
                          "record this run's with `python -m pipelines.record`._")
+            near = reg.get("nearest")
+            if near:
+                name = f"`{near['params']}`" + (f" ({near['preset']})" if near.get("preset") else "")
+                shown = near["differences"][:MAX_DIFFERENCES]
+                lines += ["", f"The nearest record, {name}, differs in {len(near['differences'])} setting(s):", ""]
+                lines += [f"- `{d}`" for d in shown]
+                if len(near["differences"]) > len(shown):
+                    lines.append(f"- … and {len(near['differences']) - len(shown)} more")
     lines += ["", "## Stage metrics", ""]
     for label, metrics in doc["stage_metrics"].items():
         lines += [f"### {label}", "", "| metric | value |", "|---|---|"]
@@ -162,8 +172,7 @@ def build_report(inputs: list[Path]) -> dict:
 
 def params_fingerprint(params: dict) -> str:
     """Which record a run compares with: a hash of the params sections behind its perplexities."""
-    chosen = {name: params.get(name) for name in REGRESSION_SECTIONS}
-    return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(regression_params(params), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def perplexities(stage_metrics: dict) -> dict:
@@ -183,11 +192,35 @@ def read_records(path: Path) -> list[dict]:
     return config.read_yaml(path).get("records") or []
 
 
+def regression_params(params: dict) -> dict:
+    """The params sections behind the perplexities (what the fingerprint hashes)."""
+    return {name: params.get(name) for name in REGRESSION_SECTIONS}
+
+
+def params_differences(ours: dict, recorded: dict) -> list[str]:
+    """'section.key: ours (recorded: theirs)' for every setting that differs, nested keys flattened."""
+    a, b = track.flatten(ours), track.flatten(recorded)
+    absent = "(absent)"
+    return [f"{k}: {a.get(k, absent)} (recorded: {b.get(k, absent)})"
+            for k in sorted(set(a) | set(b)) if a.get(k, absent) != b.get(k, absent)]
+
+
+def nearest_record(records: list[dict], params: dict) -> dict | None:
+    """The record whose stored params differ from these in the fewest settings, with those settings."""
+    ours = regression_params(params)
+    found = [(params_differences(ours, r["sections"]), r) for r in records if isinstance(r.get("sections"), dict)]
+    if not found:
+        return None
+    differences, record = min(found, key=lambda f: len(f[0]))
+    return {"params": record["params"], "preset": record.get("preset"), "differences": differences}
+
+
 def regression(stage_metrics: dict, params: dict, cfg: Config, commit: str) -> dict:
-    """Rows comparing this run's perplexities with the record made under the same params."""
+    """Rows comparing this run's perplexities with the record made under the same params; without one,
+    the nearest record and the settings that differ from it."""
     fingerprint = params_fingerprint(params)
-    record = next((r for r in read_records(Path(cfg.recorded)) if r.get("params") == fingerprint), None) \
-        if cfg.recorded else None
+    records = read_records(Path(cfg.recorded)) if cfg.recorded else []
+    record = next((r for r in records if r.get("params") == fingerprint), None)
     rows = []
     if record is not None:
         ours = perplexities(stage_metrics)
@@ -201,7 +234,8 @@ def regression(stage_metrics: dict, params: dict, cfg: Config, commit: str) -> d
                         "relation": "=", "published": value, "ours": got, "tolerance": tol,
                         "pass": got is not None and math.isfinite(got) and abs(got - value) <= tol,
                         "stage": label, "git_commit": commit, "data_hashes": {}})
-    return {"source": cfg.recorded, "params": fingerprint, "recorded": record["recorded"] if record else None, "rows": rows}
+    return {"source": cfg.recorded, "params": fingerprint, "recorded": record["recorded"] if record else None, "rows": rows,
+            "nearest": None if record is not None else nearest_record(records, params)}
 
 
 def comparisons(stage_metrics: dict) -> dict:

@@ -139,7 +139,12 @@ def test_perplexities_regress_against_the_record_of_the_same_params(tree, monkey
     (tree / "params.yaml").write_text((tree / "params.yaml").read_text().replace("steps: 10", "steps: 11"))
     doc = report.main(["--output", "reports", "--inputs", *inputs])
     assert doc["regression"]["rows"] == [] and doc["regression"]["recorded"] is None
-    assert "python -m pipelines.record" in (tree / "reports/results.md").read_text()
+    md = (tree / "reports/results.md").read_text()
+    assert "python -m pipelines.record" in md
+    # ... and names the nearest record and the one setting that differs from it.
+    assert doc["regression"]["nearest"] == {"params": entry["params"], "preset": "test",
+                                            "differences": ["pretrain.steps: 11 (recorded: 10)"]}
+    assert "differs in 1 setting(s)" in md and "- `pretrain.steps: 11 (recorded: 10)`" in md
     # Under the recorded params again, strict: the failed regression row fails the stage.
     (tree / "params.yaml").write_text((tree / "params.yaml").read_text().replace("steps: 11", "steps: 10"))
     with pytest.raises(config.UserError, match="pretrain at 128 tokens"):
