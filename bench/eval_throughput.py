@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from stages import eval_perplexity, prepare_data, tokenize  # noqa: E402
-from stages.common import dist, sources  # noqa: E402
+from stages.common import dist, loop, sources  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -135,8 +135,7 @@ def main() -> None:
             nll_sum, n_tokens, seen, seconds = baseline(model, stream, args.context, args.stride)
             base_tps = max(base_tps, n_tokens / seconds)
             rate = max(rate, matmul_flops(device, dtype))
-        c = model.config
-        forward_fpt = 2 * (params - c.vocab_size * c.hidden_size) + 4 * c.num_hidden_layers * args.context * c.hidden_size
+        forward_fpt = loop.flops_per_token(model, args.context) / 3  # the forward third of forward + backward
         base_fraction = forward_fpt * base_tps * seen / n_tokens / rate
 
     base_ppl = math.exp(nll_sum / n_tokens)

@@ -68,6 +68,11 @@ class LoopConfig:
     peak_tflops: float
     compile_mode: str = "default"  # with compile: the torch.compile mode, one of COMPILE_MODES
 
+    @property
+    def loss_compile_mode(self) -> str | None:
+        """The mode lm_loss compiles the loss in; None without compile."""
+        return self.compile_mode if self.compile else None
+
 
 def check_compile_mode(mode: str) -> None:
     if mode not in COMPILE_MODES:
@@ -250,7 +255,7 @@ def evaluate(model, windows, cfg: LoopConfig, rt: dist.Runtime) -> float:
             x, y = windows.batch(-1 - b, index, cfg.micro_batch_size)
             with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=dist.compute_dtype(rt.device) == torch.bfloat16):
                 loss = lm_loss(model, x.to(rt.device), y.to(rt.device), reduction="sum",
-                               compile_mode=cfg.compile_mode if cfg.compile else None)
+                               compile_mode=cfg.loss_compile_mode)
             total += torch.tensor([loss.item(), float((y != IGNORE_INDEX).sum())], dtype=torch.float64,
                                   device=rt.device)
     model.train()
@@ -281,7 +286,6 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
         dist.print0(f"resuming from {latest} (step {start})", rt=rt)
     amp = torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=dist.compute_dtype(rt.device) == torch.bfloat16)
     tokens_per_step = cfg.batch_size * cfg.context_length
-    compile_mode = cfg.compile_mode if cfg.compile else None
     stopped = False
     bar = dist.progress(total=cfg.steps, initial=start, desc="train", rt=rt)
     step_times = []  # seconds of each step's forward/backward/update (validation and saving excluded)
@@ -302,7 +306,7 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
             # DDP: all-reduce gradients only on the last micro-batch of the step.
             no_sync = rt.distributed and not last and cfg.strategy == "ddp"
             with (model.no_sync() if no_sync else contextlib.nullcontext()), amp:
-                loss = lm_loss(model, x, y, reduction="sum", compile_mode=compile_mode) * scale.to(torch.float32)
+                loss = lm_loss(model, x, y, reduction="sum", compile_mode=cfg.loss_compile_mode) * scale.to(torch.float32)
                 loss.backward()
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
