@@ -1,6 +1,6 @@
 """Perplexity-evaluation throughput: the eval_perplexity stage vs a one-window-at-a-time loop.
 
-    python bench/eval_throughput.py [--tokens 16384] [--context 256] [--stride 256] [--batch-size 16] [--repeats 3]
+    python bench/eval_throughput.py [--tokens 16384] [--context 256] [--stride 256] [--batch-size 16] [--repeats 3] [--no-bf16]
 
 Builds a 5.3M-parameter Llama (hidden 256, 4 layers, 8 heads, ffn 688, random weights) and the
 tokenize stage's byte-level BPE (vocab 4096) trained on TinyShakespeare (from PIPELINE_DATA_MIRROR or
@@ -19,6 +19,10 @@ It also prints the bound physics puts on that ratio: the baseline's model FLOP/s
 token = 2 x non-embedding parameters, output head included, + 4 x layers x context x hidden, times
 the tokens its windows hold) over the device's dense matrix-multiply rate, measured in the same run
 (a 4096^3 multiply). Batching can speed a loop up at most by the inverse of that fraction.
+
+On a CPU with bf16 instructions (AVX512-BF16 or AMX) the stage also runs with `precision: bf16`
+(weights and activations in bf16), and its tokens/s and perplexity are printed beside the fp32 ones
+with the bf16 matmul rate; elsewhere bf16 is emulated (~20x slower) and the bench says so instead.
 
 On a 2-core CPU the bound is about 3x: one 256-token window is already a large enough matrix multiply
 that batch 1 runs at ~0.35 of the matmul rate (~9k tokens/s), and the stage's batches at ~0.45
@@ -94,6 +98,7 @@ def main() -> None:
     parser.add_argument("--stride", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 runs on CPUs that have bf16 instructions")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -124,17 +129,24 @@ def main() -> None:
         # The same token stream the stage evaluates: bos, then the text's ids.
         stream = eval_perplexity.text_stream(tmp / "text.txt", tok, eval_perplexity.Config(
             contexts=(args.context,), stride=args.stride, batch_size=1, split="test", extrapolate=False,
-            position_buckets=(), max_tokens=0, prepend_bos=True)).ids
+            position_buckets=(), max_tokens=0, prepend_bos=True, precision="auto")).ids
         device = dist.init().device
         model = AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=dist.compute_dtype(device)).to(device).eval()
         base_tps, stage, rate = 0.0, None, 0.0
         dtype = dist.compute_dtype(device)
+        # bf16 beside fp32 on CPUs that compute it natively (on GPUs the stage is in bf16 already)
+        bf16 = device.type == "cpu" and dist.cpu_has_native_bf16() and not args.no_bf16
+        stage_bf16, rate_bf16 = None, 0.0
         for _ in range(args.repeats):
             m = eval_perplexity.main(stage_args)["models"]["bench"][f"ctx{args.context}"]
             stage = m if stage is None or m["tokens_per_s"] > stage["tokens_per_s"] else stage
             nll_sum, n_tokens, seen, seconds = baseline(model, stream, args.context, args.stride)
             base_tps = max(base_tps, n_tokens / seconds)
             rate = max(rate, matmul_flops(device, dtype))
+            if bf16:
+                m = eval_perplexity.main([*stage_args, "precision=bf16"])["models"]["bench"][f"ctx{args.context}"]
+                stage_bf16 = m if stage_bf16 is None or m["tokens_per_s"] > stage_bf16["tokens_per_s"] else stage_bf16
+                rate_bf16 = max(rate_bf16, matmul_flops(device, torch.bfloat16))
         forward_fpt = loop.flops_per_token(model, args.context) / 3  # the forward third of forward + backward
         base_fraction = forward_fpt * base_tps * seen / n_tokens / rate
 
@@ -153,6 +165,17 @@ def main() -> None:
           f"{base_fraction * stage['tokens_per_s'] / base_tps:.2f} of it")
     print(f"perplexities agree: {rel < tolerance and n_tokens == stage['tokens']} (relative difference {rel:.1e}, "
           f"tokens {stage['tokens']:,} vs {n_tokens:,})")
+
+    cpu = dist.cpu_info()
+    print(f"CPU: {cpu['cpu_model']}, torch capability {cpu['cpu_capability']}, flags {' '.join(cpu['cpu_flags'])}")
+    if stage_bf16 is not None:
+        print(f"stage in bf16 (batch {args.batch_size:>2}): {stage_bf16['tokens_per_s']:>10,.0f} tokens/s "
+              f"({stage_bf16['tokens_per_s'] / stage['tokens_per_s']:.2f}x fp32), perplexity {stage_bf16['perplexity']:.6f} "
+              f"(relative difference from fp32 {abs(stage_bf16['perplexity'] - stage['perplexity']) / stage['perplexity']:.1e}); "
+              f"bf16 matmul {rate_bf16 / 1e9:,.0f} GFLOP/s ({rate_bf16 / rate:.2f}x fp32)")
+    elif device.type == "cpu" and not args.no_bf16:
+        print("bf16: not measured: this CPU has neither AVX512-BF16 nor AMX-BF16, so bf16 is emulated (~20x slower "
+              "than fp32); precision: auto keeps fp32 on CPUs")
 
 
 if __name__ == "__main__":

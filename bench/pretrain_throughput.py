@@ -1,6 +1,6 @@
 """Pretrain throughput: the stage's training loop vs a bare PyTorch loop and the Hugging Face Trainer.
 
-    python bench/pretrain_throughput.py [--steps 15] [--repeats 2] [--compile [MODE ...]]
+    python bench/pretrain_throughput.py [--steps 15] [--repeats 2] [--compile [MODE ...]] [--no-bf16]
 
 Same Llama model (hidden 256, 4 layers, 8 heads, MLP 688, vocab 4096: 5.3M parameters), same random
 token data, batch 8 x 256, AdamW, fp32, one process on all cores, in one run; the runs alternate and
@@ -21,6 +21,9 @@ The matmul rate and the ceiling are measured in every repeat too, each keeping i
 With --compile, the stage also runs with `compile: true` (torch.compile of the model and the loss; its
 first step, which compiles, is left out like every first step) in each given `compile_mode` (by
 default: default), and those figures are printed beside the eager ones.
+On a CPU with bf16 instructions (AVX512-BF16 or AMX) the stage and the bare loop also run with bf16
+autocast (the stage's `precision: bf16`), beside a 2048^3 bf16 matmul; their figures are printed
+against the fp32 ones. On other CPUs bf16 is emulated (~20x slower) and the bench says so instead.
 The first step of every run (allocation, warm-up) is left out of its timing.
 Goals: >= 1.0x the bare loop, >= 1.05x Trainer, >= 0.6 of the matmul rate.
 """
@@ -55,23 +58,24 @@ def make_model(seed: int = 0):
     ))
 
 
-def loop_cfg(steps: int, compile_mode: str | None = None) -> loop.LoopConfig:
+def loop_cfg(steps: int, compile_mode: str | None = None, precision: str = "fp32") -> loop.LoopConfig:
     return loop.LoopConfig(
         steps=steps, batch_size=BATCH, micro_batch_size=BATCH, context_length=CONTEXT, lr=1e-3, min_lr=1e-4,
         warmup_steps=2, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, strategy="ddp",
         activation_checkpointing=False, compile=compile_mode is not None, eval_every=0, eval_batches=0, checkpoint_every=0,
-        log_every=10**9, seed=0, peak_tflops=1.0, compile_mode=compile_mode or "default",
+        log_every=10**9, seed=0, peak_tflops=1.0, compile_mode=compile_mode or "default", precision=precision,
     )
 
 
-def run_stage(tokens: np.ndarray, steps: int, compile_mode: str | None = None) -> float:
+def run_stage(tokens: np.ndarray, steps: int, compile_mode: str | None = None, precision: str = "fp32") -> float:
     rt = dist.Runtime(0, 1, 0, 1, torch.device("cpu"))
+    cfg = loop_cfg(steps, compile_mode, precision)
     with tempfile.TemporaryDirectory() as tmp:
-        out = loop.train(make_model(), tokens, tokens, loop_cfg(steps, compile_mode), rt, Path(tmp), track.Tracker(None), dist.StopFlag())
+        out = loop.train(make_model(), tokens, tokens, cfg, rt, Path(tmp), track.Tracker(None), dist.StopFlag())
     return out["tokens_per_s"]
 
 
-def run_bare(tokens: np.ndarray, steps: int) -> float:
+def run_bare(tokens: np.ndarray, steps: int, dtype: torch.dtype = torch.float32) -> float:
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     windows = loop.Windows(tokens, CONTEXT, 0)
@@ -79,8 +83,9 @@ def run_bare(tokens: np.ndarray, steps: int) -> float:
     for step in range(steps):
         t0 = time.perf_counter()
         x, y = windows.batch(step, 0, BATCH)
-        logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -117,8 +122,8 @@ def run_trainer(tokens: np.ndarray, steps: int) -> float:
     return BATCH * CONTEXT * (len(clock.times) - 1) / sum(clock.times[1:])
 
 
-def matmul_flops(n: int = 2048, repeats: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_flops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     best = min(_timed(lambda: a @ b) for _ in range(repeats))
     return 2 * n**3 / best
@@ -161,7 +166,9 @@ def main() -> None:
     parser.add_argument("--compile", nargs="*", metavar="MODE", choices=loop.COMPILE_MODES,
                         help="also run the stage with compile: true in these compile modes "
                              "(none given: default)")
+    parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 runs on CPUs that have bf16 instructions")
     args = parser.parse_args()
+    bf16 = dist.cpu_has_native_bf16() and not args.no_bf16
     modes = args.compile or (["default"] if args.compile is not None else [])
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
@@ -176,6 +183,10 @@ def main() -> None:
         best["trainer"] = max(best["trainer"], run_trainer(tokens, args.steps))
         for mode in modes:
             best[mode] = max(best.get(mode, 0.0), run_stage(tokens, args.steps, compile_mode=mode))
+        if bf16:
+            best["rate_bf16"] = max(best.get("rate_bf16", 0.0), matmul_flops(dtype=torch.bfloat16))
+            best["stage_bf16"] = max(best.get("stage_bf16", 0.0), run_stage(tokens, args.steps, precision="bf16"))
+            best["bare_bf16"] = max(best.get("bare_bf16", 0.0), run_bare(tokens, args.steps, torch.bfloat16))
     fpt = loop.flops_per_token(make_model(), CONTEXT)
     print(f"model: {sum(p.numel() for p in make_model().parameters()) / 1e6:.1f}M parameters, "
           f"{fpt / 1e6:.1f} MFLOP/token; batch {BATCH}x{CONTEXT}, {args.steps} steps, best of {args.repeats}, "
@@ -192,6 +203,18 @@ def main() -> None:
         print(f"compiled stage, compile_mode {mode}: {best[mode]:,.0f} tokens/s; / bare loop {best[mode] / best['bare']:.2f}, "
               f"/ Trainer {best[mode] / best['trainer']:.2f}, FLOP/s / matmul {fpt * best[mode] / rate:.2f}, "
               f"/ kernel ceiling {best[mode] / ceiling:.2f}")
+
+    cpu = dist.cpu_info()
+    print(f"CPU: {cpu['cpu_model']}, torch capability {cpu['cpu_capability']}, flags {' '.join(cpu['cpu_flags'])}")
+    if bf16:
+        print(f"matmul 2048^3 bf16   {best['rate_bf16'] / 1e9:>10,.1f} GFLOP/s  ({best['rate_bf16'] / rate:.2f}x fp32)")
+        print(f"bf16 autocast: stage {best['stage_bf16']:,.0f} tokens/s ({best['stage_bf16'] / best['stage']:.2f}x the fp32 "
+              f"stage), bare loop {best['bare_bf16']:,.0f} tokens/s; stage / bare loop "
+              f"{best['stage_bf16'] / best['bare_bf16']:.2f}, stage FLOP/s / bf16 matmul "
+              f"{fpt * best['stage_bf16'] / best['rate_bf16']:.2f}")
+    elif not args.no_bf16:
+        print("bf16: not measured: this CPU has neither AVX512-BF16 nor AMX-BF16, so bf16 is emulated (~20x slower "
+              "than fp32); precision: auto keeps fp32 on CPUs")
 
 
 if __name__ == "__main__":

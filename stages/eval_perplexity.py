@@ -3,6 +3,7 @@
 Evaluates Hugging Face checkpoints (and base + PEFT adapter pairs) on one split of the tokenize
 stage's shards (`--input`, format in stages/common/shards.py) or on a text file tokenized with each
 model's own tokenizer (`--text`). Writes to `--output`:
+    meta.json                           compute dtype, world size, commit, and the CPU the kernels were chosen for
     metrics.json                        per model and context: nll, perplexity, bits_per_byte,
                                         byte_perplexity, word_perplexity, tokens, tokens_per_s,
                                         and per-position buckets when asked
@@ -75,8 +76,11 @@ class Config:
     """Evaluate at most this many tokens from the start of the split (0 = all)."""
     prepend_bos: bool
     """Start the stream with the bos token (eos when there is none), so the split's first token is scored."""
+    precision: str
+    """auto (bf16 on GPUs, fp32 on CPUs) | fp32 | bf16 (weights in bf16; fast on CPUs with AVX512-BF16/AMX)."""
 
     def __post_init__(self):
+        dist.check_precision(self.precision)
         if not self.contexts or min(self.contexts) < 1 or list(self.contexts) != sorted(set(self.contexts)):
             raise ValueError(f"contexts must be a non-empty list of increasing positive ints, got {list(self.contexts)}")
         if self.stride is not None and not 1 <= self.stride <= min(self.contexts):
@@ -298,10 +302,10 @@ def position_buckets(sums: torch.Tensor, edges: tuple[int, ...]) -> dict:
     return out
 
 
-def load_model(spec: ModelSpec, rt: dist.Runtime):
+def load_model(spec: ModelSpec, rt: dist.Runtime, precision: str = "auto"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dist.compute_dtype(rt.device))
+    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dist.compute_dtype(rt.device, precision))
     if spec.adapter is not None:
         from peft import PeftModel
 
@@ -351,9 +355,11 @@ def write_outputs(metrics: dict, folder: Path) -> None:
 def run(specs, streams, cfg: Config, output: Path, rt: dist.Runtime, tracker: track.Tracker) -> dict:
     first = next(iter(streams.values()))
     metrics = {"bytes": first.bytes, "words": first.words, "models": {}}
+    dtype = dist.compute_dtype(rt.device, cfg.precision)
+    dist.warn_if_emulated_bf16(rt.device, dtype, rt)
     with ckpt.atomic_dir(output, rt) as tmp:
         for spec in specs:
-            model, stream = load_model(spec, rt), streams[spec.label]
+            model, stream = load_model(spec, rt, cfg.precision), streams[spec.label]
             results = metrics["models"][spec.label] = {}
             for context in cfg.contexts:
                 stride = cfg.stride or context
@@ -377,8 +383,11 @@ def run(specs, streams, cfg: Config, output: Path, rt: dist.Runtime, tracker: tr
             gc.collect()
         if rt.is_main:
             write_outputs(metrics, tmp)
+            # Kernels (and so the last digits of the perplexities) depend on the CPU and the dtype.
+            ckpt.write_json(tmp / "meta.json", {"compute_dtype": str(dtype), "world_size": rt.world_size,
+                                                "git_commit": track.git_commit(), "cpu": dist.cpu_info()})
     if rt.is_main:
-        for name in ("metrics.json", "table.csv", "plots"):
+        for name in ("metrics.json", "meta.json", "table.csv", "plots"):
             tracker.log_artifact(output / name, "plots" if name == "plots" else None)
     return metrics
 

@@ -86,6 +86,8 @@ class Config:
     activation_checkpointing: bool
     compile: bool
     compile_mode: str
+    precision: str
+    """auto (bf16 autocast on GPUs, fp32 on CPUs) | fp32 | bf16."""
     eval_every: int
     eval_batches: int
     checkpoint_every: int
@@ -267,7 +269,8 @@ def plot_finetunes(summaries: dict, folder: Path) -> None:
     plt.close(fig)
 
 
-def publish(tmp: Path, base: Path, configs: dict, summaries: dict, finals: dict, cfg: Config, original: int) -> dict:
+def publish(tmp: Path, base: Path, configs: dict, summaries: dict, finals: dict, cfg: Config, original: int,
+            device: torch.device) -> dict:
     """Write every variant (rank 0): zero-shot ones are the base weights with a new config.json."""
     weights_and_config = ("config.json",)
     variants = {}
@@ -286,7 +289,9 @@ def publish(tmp: Path, base: Path, configs: dict, summaries: dict, finals: dict,
         v.update(rope_parameters=c.rope_parameters, max_position_embeddings=c.max_position_embeddings)
     meta = {"base": str(base), "original_context": original, "factor": cfg.factor,
             "extended_context": int(round(cfg.factor * original)), "finetune_steps": cfg.steps,
-            "variants": variants, "order": list(variants), "git_commit": track.git_commit()}
+            "variants": variants, "order": list(variants), "git_commit": track.git_commit(),
+            "compute_dtype": str(dist.compute_dtype(device, cfg.precision)),
+            "cpu": dist.cpu_info()}
     ckpt.write_json(tmp / "meta.json", meta)
     metrics = {"extended_context": meta["extended_context"],
                **{f"{n}-ft": {k: s[k] for k in ("final_train_loss", "final_val_loss", "tokens_per_s")}
@@ -313,7 +318,7 @@ def run(base: Path, data: Path, output: Path, cfg: Config, configs: dict, lcfg: 
         meta = None
         with ckpt.atomic_dir(output, rt) as tmp:
             if rt.is_main:
-                meta = publish(tmp, base, configs, summaries, finals, cfg, original)
+                meta = publish(tmp, base, configs, summaries, finals, cfg, original, rt.device)
         if rt.is_main:
             final_metrics = track.flatten(json.loads((output / "metrics.json").read_text()))
             tracker.log_metrics({k: v for k, v in final_metrics.items() if v is not None})

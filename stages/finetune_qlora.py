@@ -35,6 +35,7 @@ Output (data/finetune_qlora/<quantization>/):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import re
@@ -180,7 +181,49 @@ def load_base(cfg: Config, device: torch.device, quantized: bool):
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=cfg.double_quant,
             bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=storage_dtype(cfg, device))
-    return AutoModelForCausalLM.from_pretrained(cfg.base, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(cfg.base, **kwargs)
+    if quantized:
+        keep_4bit_layout(model)
+    return model
+
+
+def keep_4bit_layout(model) -> None:
+    """Keep every 4-bit weight in the layout that trains, on every CPU.
+
+    bitsandbytes (0.50 here) repacks a 4-bit weight in place, for good, into a layout for its AVX512-BF16
+    CPU kernel the first time the layer runs in eval mode with an input that needs no grad (any no-grad
+    evaluation) on a CPU that has the instructions. From then on every call, training ones too, goes to
+    that kernel: bf16 math and no backward, so the gradients reaching earlier layers' adapters are
+    wrong, on those CPUs only. Here the layer's switch for it is turned off, a weight already repacked is
+    unpacked, and a hook fails loudly should a bitsandbytes version repack by another path: training and
+    evaluation compute with the dequantized weights in the compute dtype everywhere (evaluation is
+    bit-equal to the training forward pass, and results do not depend on the CPU's instructions)."""
+    import bitsandbytes as bnb
+
+    for name, mod in model.named_modules():
+        if not isinstance(mod, bnb.nn.Linear4bit):
+            continue
+        mod.support_avx512bf16_for_cpu = False  # the switch Linear4bit.forward reads before repacking
+        if cpu_packed(mod):
+            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+            mod.weight.data, mod.weight.quant_state = _convert_weight_packed_for_cpu_inverse(
+                mod.weight.data, mod.weight.quant_state)
+        mod.register_forward_hook(functools.partial(_refuse_cpu_packing, name=name))
+
+
+def cpu_packed(layer) -> bool:
+    """Whether a 4-bit layer's weight is in bitsandbytes' CPU inference layout."""
+    return bool(getattr(getattr(layer.weight, "quant_state", None), "packing_format_for_cpu", False))
+
+
+def _refuse_cpu_packing(layer, args, output, name: str):
+    if cpu_packed(layer):
+        import bitsandbytes
+
+        raise RuntimeError(f"finetune_qlora: bitsandbytes {bitsandbytes.__version__} repacked the 4-bit weight of "
+                           f"{name} for its CPU inference kernel (bf16, no backward), which would corrupt training; "
+                           f"use the bitsandbytes version in requirements.lock")
 
 
 def lora_config(cfg: Config):
@@ -335,7 +378,8 @@ def run(cfg: Config, records: list[dict], records_path: Path, output: Path, rt: 
                 ckpt.write_json(tmp / "meta.json", {
                     "base": cfg.base, "quantization": cfg.quantization, "step": cfg.steps, "dropped_records": dropped,
                     "git_commit": track.git_commit(), "storage_dtype": str(storage_dtype(cfg, rt.device)),
-                    "compute_dtype": str(dist.compute_dtype(rt.device)), "world_size": rt.world_size})
+                    "compute_dtype": str(dist.compute_dtype(rt.device)), "world_size": rt.world_size,
+                    "cpu": dist.cpu_info()})
                 write_plots(tmp, hist, cfg)
         if rt.is_main:
             tracker.log_artifact(output / "plots/loss.png", "plots")

@@ -16,7 +16,8 @@ Run:
 
 Output (data/pretrain/):
     model/         config.json, model.safetensors, tokenizer files: AutoModelForCausalLM/AutoTokenizer load it
-    meta.json      step, tokens seen, final train/val loss, git commit, parameter count, model config
+    meta.json      step, tokens seen, final train/val loss, git commit, parameter count, model config,
+                   compute dtype and the CPU the kernels were chosen for
     metrics.json   final train/val loss, tokens/s, MFU
     plots/loss.csv, val_loss.csv, loss.png   the loss curves (DVC plots)
 """
@@ -73,6 +74,8 @@ class Config:
     """torch.compile the model (per layer under fsdp) and the loss."""
     compile_mode: str
     """torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs."""
+    precision: str
+    """auto (bf16 autocast on GPUs, fp32 on CPUs) | fp32 | bf16 (autocast; fast on CPUs with AVX512-BF16/AMX)."""
     eval_every: int
     """Validation loss every N steps (0: only never)."""
     eval_batches: int
@@ -88,6 +91,7 @@ class Config:
         if self.strategy not in loop.STRATEGIES:
             raise ValueError(f"strategy: unknown strategy {self.strategy!r}; valid: {', '.join(loop.STRATEGIES)}")
         loop.check_compile_mode(self.compile_mode)
+        dist.check_precision(self.precision)
         if self.context_length > self.max_position_embeddings:
             raise ValueError(f"context_length ({self.context_length}) exceeds max_position_embeddings "
                              f"({self.max_position_embeddings}); lower it or raise max_position_embeddings")
@@ -157,7 +161,8 @@ def save_outputs(tmp: Path, model_sd: dict, cfg: Config, meta_in: dict, inp: Pat
         "step": steps, "tokens_seen": steps * cfg.batch_size * cfg.context_length,
         "final_train_loss": hist["loss"][-1], "final_val_loss": hist["val_loss"][-1] if hist["val_loss"] else None,
         "git_commit": track.git_commit(), "parameters": n_params, "flops_per_token": result["flops_per_token"],
-        "model_config": model.config.to_dict(),
+        "model_config": model.config.to_dict(), "compute_dtype": result["compute_dtype"],
+        "cpu": dist.cpu_info(),
     }
     ckpt.write_json(tmp / "meta.json", meta)
     loop.write_curves(tmp / "plots", hist)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from stages import eval_perplexity, tokenize
-from stages.common import config, shards
+from stages.common import config, dist, shards
 
 from conftest import ci_params, run_stage
 
@@ -215,7 +215,26 @@ def test_two_processes_give_the_numbers_of_one(shard_run, assets):
     assert len(runs) == 1 and runs[0].data.tags["stage"] == "eval_perplexity" and runs[0].info.status == "FINISHED"
     history = client.get_metric_history(runs[0].info.run_id, "tiny.perplexity")
     assert sorted(m.step for m in history) == [48, 96]
-    assert {a.path for a in client.list_artifacts(runs[0].info.run_id)} >= {"metrics.json", "table.csv", "plots"}
+    assert {a.path for a in client.list_artifacts(runs[0].info.run_id)} >= {"metrics.json", "meta.json", "table.csv", "plots"}
+    # The CPU the kernels were chosen for, with the results (meta.json) and on the run.
+    cpu = dist.cpu_info()
+    assert runs[0].data.tags["cpu_capability"] == cpu["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert runs[0].data.tags["cpu_flags"] == ",".join(cpu["cpu_flags"])
+    meta = json.loads((assets / "out/shards2/meta.json").read_text())
+    assert meta["cpu"] == cpu and meta["compute_dtype"] == "torch.float32" and meta["world_size"] == 2
+
+
+def test_bf16_precision_evaluates_near_fp32(shard_run, assets, monkeypatch):
+    """precision: bf16 (weights and activations in bf16) on any CPU: emulated where the CPU lacks bf16
+    instructions, so slower there, but the numbers are the same kind of close."""
+    monkeypatch.chdir(assets)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{assets / 'mlflow.db'}")
+    bf16 = eval_perplexity.main([*SHARD_RUN[:5], "out/bf16", *SHARD_RUN[6:], "precision=bf16"])
+    for context in ("ctx48", "ctx96"):
+        ours, fp32 = bf16["models"]["tiny"][context], shard_run["models"]["tiny"][context]
+        assert ours["tokens"] == fp32["tokens"] and ours["nll"] != fp32["nll"], "bf16 rounds differently"
+        assert ours["nll"] == pytest.approx(fp32["nll"], rel=2e-2)
+    assert json.loads((assets / "out/bf16/meta.json").read_text())["compute_dtype"] == "torch.bfloat16"
 
 
 def test_bits_per_byte_and_word_perplexity_by_hand(tmp_path, monkeypatch):

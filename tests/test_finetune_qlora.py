@@ -16,7 +16,7 @@ from stages import finetune_qlora as ft
 from stages import pretrain
 from stages.common import config, dist, instructions, loop
 
-from conftest import loss_curve, run_stage
+from conftest import ROOT, loss_curve, run_stage
 
 PRETRAIN = ["n_layers=2", "hidden_size=64", "n_heads=4", "n_kv_heads=2", "intermediate_size=128",
             "max_position_embeddings=64", "context_length=64", "steps=4", "batch_size=8", "micro_batch_size=4",
@@ -105,6 +105,8 @@ def test_one_process_trains_and_its_outputs_load_in_peft_and_transformers(base):
     rows = json.loads((base / "one/results.json").read_text())
     assert len(rows) == 1 and abs(rows[0]["ours"] - rows[0]["published"]) <= rows[0]["tolerance"]
     assert (base / "one/plots/loss.png").stat().st_size > 0
+    meta = json.loads((base / "one/meta.json").read_text())
+    assert meta["cpu"] == dist.cpu_info() and meta["compute_dtype"] == "torch.float32"
 
 
 def test_fsdp_trains_like_one_process_and_resumes_exactly_after_sigkill(base):
@@ -226,3 +228,52 @@ def test_step_loss_is_the_mean_over_target_tokens(tmp_path):
     tracker = SimpleNamespace(log_metrics=lambda *a, **k: None)
     result = loop.train(model, Source(), Source(), cfg, rt, tmp_path / "ckpt", tracker, dist.StopFlag())
     assert result["history"]["loss"][0] == pytest.approx(want, rel=1e-5)
+
+
+def test_gradients_after_a_no_grad_eval_equal_the_dequantized_reference(tmp_path):
+    """A no-grad evaluation before training must not change what training computes. (bitsandbytes
+    repacks a 4-bit weight for a bf16 inference kernel without backward on its first eval-mode, no-grad
+    call on AVX512-BF16 CPUs; the stage keeps it from doing so.) The LoRA gradients through the 4-bit
+    model, after the stage's eval pass, equal those of the same adapters on its dequantized fp32 weights.
+    On a CPU without the instructions the same path runs and must pass too."""
+    from bitsandbytes.functional import has_avx512bf16
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # Every output width a multiple of 32: the widths bitsandbytes' CPU kernel packs.
+    LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                 tie_word_embeddings=False)).save_pretrained(tmp_path / "base")
+    overrides = [*TINY, f"base={tmp_path / 'base'}", "seq_length=32", "micro_batch_size=4", "batch_size=4"]
+    cfg = config.load(ft.Config, ft.STAGE, ROOT / "params.yaml", overrides)
+    cpu = torch.device("cpu")
+    model = ft.add_adapters(ft.load_base(cfg, cpu, quantized=True), cfg)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero, which would leave A without gradient
+            torch.nn.init.normal_(p, std=0.05)
+    x = torch.randint(0, 96, (4, 32))
+    y = torch.cat([x[:, 1:], x[:, :1]], dim=1)
+
+    class Source:
+        def batch(self, step, index, size):
+            return x[index : index + size], y[index : index + size]
+
+    lcfg = ft.loop_config(cfg, eval_batches=1)
+    loop.evaluate(model, Source(), lcfg, dist.Runtime(0, 1, 0, 1, cpu))  # model.eval() + no_grad, then train()
+    packed = [n for n, m in model.named_modules()
+              if getattr(getattr(m, "quant_state", None), "packing_format_for_cpu", False)]
+    assert not packed, f"the eval pass repacked {packed[:2]} for bitsandbytes' CPU inference kernel"
+    loop.lm_loss(model, x, y).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    reference = ft.add_adapters(ft.load_base(cfg, cpu, quantized=True).dequantize(dtype=torch.float32), cfg)
+    assert not any(hasattr(m, "quant_state") for m in reference.modules()), "the reference is unquantized"
+    adapters = {n: p for n, p in model.state_dict().items() if "lora_" in n}
+    assert reference.load_state_dict(adapters, strict=False).unexpected_keys == []
+    reference.train()
+    loop.lm_loss(reference, x, y).backward()
+    want = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert grads.keys() == want.keys() and len(grads) == 2 * 7 * 2  # A and B, 7 linear layers, 2 layers
+    for name in grads:
+        torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-7,
+                                   msg=lambda m: f"{name} (CPU bf16 kernel present: {has_avx512bf16()}): {m}")

@@ -121,6 +121,7 @@ def test_sigterm_checkpoints_and_the_rerun_resumes(tokenized):
     (["strategy=zero"], "pretrain.strategy: unknown strategy 'zero'; valid: ddp, fsdp"),
     (["context_length=128"], "context_length \\(128\\) exceeds max_position_embeddings \\(64\\)"),
     (["compile_mode=fast"], "pretrain.compile_mode: unknown torch.compile mode 'fast'; valid: default, "),
+    (["precision=fp16"], "pretrain.precision: unknown precision 'fp16'; valid: auto, fp32, bf16"),
     (["batch_size=7"], "batch_size \\(7\\) must be a multiple of micro_batch_size x processes \\(2 x 1\\)"),
 ])
 def test_bad_params_fail_before_training(tokenized, monkeypatch, override, message):
@@ -171,3 +172,22 @@ def test_compiled_model_and_loss_train_like_eager(tokenized, monkeypatch):
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-4)
+
+
+def test_bf16_precision_trains_under_autocast_with_fp32_weights(tokenized, monkeypatch):
+    """precision: bf16 on a CPU: autocast in bf16, fp32 master weights; the losses stay near fp32's, and
+    meta.json records the dtype and the CPU the kernels ran on (they decide the last digits)."""
+    monkeypatch.chdir(tokenized)
+    args = ["--input", "data/tokenize", *TINY, "steps=3", "eval_every=3"]
+    fp32 = pretrain.main([*args, "--output", "fp32"])
+    bf16 = pretrain.main([*args, "--output", "bf16", "precision=bf16"])
+    assert bf16["history"]["loss"] != fp32["history"]["loss"], "bf16 autocast rounds differently"
+    np.testing.assert_allclose(bf16["history"]["loss"], fp32["history"]["loss"], rtol=2e-2)
+    np.testing.assert_allclose(bf16["history"]["val_loss"], fp32["history"]["val_loss"], rtol=2e-2)
+    assert all(p.dtype == torch.float32 for p in bf16["model"].parameters())
+    from stages.common import dist
+
+    for out, dtype in (("fp32", "torch.float32"), ("bf16", "torch.bfloat16")):
+        meta = json.loads((tokenized / out / "meta.json").read_text())
+        assert meta["compute_dtype"] == dtype and meta["cpu"] == dist.cpu_info()
+        assert meta["cpu"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()

@@ -73,11 +73,66 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def compute_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on CPU (bf16 is ~20x slower on CPUs without AVX512-BF16/AMX), bf16 on GPUs that support it."""
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+PRECISIONS = ("auto", "fp32", "bf16")
+# CPU flags that change which kernels torch, oneDNN and bitsandbytes pick (and so the last bits of results).
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
+                "amx_bf16", "amx_int8")
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+
+
+def compute_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
+    """The dtype a stage computes in (bf16: under autocast, fp32 master weights where it trains).
+    auto: bf16 on GPUs that support it, fp32 on CPUs, so that results recorded on one CPU hold on
+    another (bf16 is also ~20x slower than fp32 on CPUs without AVX512-BF16/AMX). fp32 and bf16 force
+    one on any device: bf16 on a CPU with AVX512-BF16 or AMX runs ~1.5-2.5x faster than fp32."""
+    check_precision(precision)
+    if precision == "fp32":
+        return torch.float32
+    if precision == "bf16" or (device.type == "cuda" and torch.cuda.is_bf16_supported()):
         return torch.bfloat16
     return torch.float32
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def cpu_info() -> dict:
+    """The CPU a run's kernels were chosen for: torch's vector capability (DEFAULT, AVX2, AVX512, ...),
+    the model name and the flags in KERNEL_FLAGS it has. Recorded with results that depend on kernels."""
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
+    except OSError:
+        pass
+    flags = cpu_flags()
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_model": model,
+            "cpu_flags": [f for f in KERNEL_FLAGS if f in flags]}
+
+
+def warn_if_emulated_bf16(device: torch.device, dtype: torch.dtype, rt: Runtime | None = None) -> None:
+    """bf16 on a CPU without bf16 instructions is emulated: correct, but ~20x slower than fp32."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        print0("warning: precision bf16 on a CPU without AVX512-BF16 or AMX: bf16 is emulated there, about 20x "
+               "slower than fp32; set precision: auto (fp32 on CPUs)", rt=rt)
 
 
 def barrier() -> None:

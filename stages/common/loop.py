@@ -67,6 +67,10 @@ class LoopConfig:
     seed: int
     peak_tflops: float
     compile_mode: str = "default"  # with compile: the torch.compile mode, one of COMPILE_MODES
+    precision: str = "auto"  # auto | fp32 | bf16 (dist.compute_dtype): bf16 runs under autocast
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        return dist.compute_dtype(device, self.precision)
 
     @property
     def loss_compile_mode(self) -> str | None:
@@ -147,7 +151,7 @@ def wrap(model, cfg: LoopConfig, rt: dist.Runtime):
 
     mesh = init_device_mesh(rt.device.type, (rt.world_size,))
     kwargs = {"mesh": mesh}
-    if dist.compute_dtype(rt.device) == torch.bfloat16:
+    if cfg.compute_dtype(rt.device) == torch.bfloat16:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
         if cfg.compile:
@@ -253,7 +257,7 @@ def evaluate(model, windows, cfg: LoopConfig, rt: dist.Runtime) -> float:
         for m in range(grad_accum_steps(cfg, rt.world_size)):
             index = (m * rt.world_size + rt.rank) * cfg.micro_batch_size
             x, y = windows.batch(-1 - b, index, cfg.micro_batch_size)
-            with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=dist.compute_dtype(rt.device) == torch.bfloat16):
+            with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=cfg.compute_dtype(rt.device) == torch.bfloat16):
                 loss = lm_loss(model, x.to(rt.device), y.to(rt.device), reduction="sum",
                                compile_mode=cfg.loss_compile_mode)
             total += torch.tensor([loss.item(), float((y != IGNORE_INDEX).sum())], dtype=torch.float64,
@@ -284,7 +288,8 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
         extra = load_checkpoint(latest, model, optimizer)
         start, history = extra["step"], extra["history"]
         dist.print0(f"resuming from {latest} (step {start})", rt=rt)
-    amp = torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=dist.compute_dtype(rt.device) == torch.bfloat16)
+    dist.warn_if_emulated_bf16(rt.device, cfg.compute_dtype(rt.device), rt)
+    amp = torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=cfg.compute_dtype(rt.device) == torch.bfloat16)
     tokens_per_step = cfg.batch_size * cfg.context_length
     stopped = False
     bar = dist.progress(total=cfg.steps, initial=start, desc="train", rt=rt)
@@ -343,6 +348,7 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
     timed = step_times[1:] or step_times
     tps = tokens_per_step * len(timed) / max(sum(timed), 1e-9) if timed else 0.0
     return {"history": history, "model": model, "stopped": stopped, "flops_per_token": fpt,
+            "compute_dtype": str(cfg.compute_dtype(rt.device)),
             "tokens_per_s": tps, "mfu": fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12)}
 
 

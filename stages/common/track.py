@@ -189,6 +189,8 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags
         "world_size": str(rt.world_size),
         "device": str(rt.device),
         "host": platform.node(),
+        # kernels, and so the last digits of results, depend on these
+        **{k: ",".join(v) if isinstance(v, list) else v for k, v in dist.cpu_info().items()},
         **({"pipeline_run": group} if group else {}),
         **(tags or {}),
     }
