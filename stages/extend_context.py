@@ -96,6 +96,7 @@ class Config:
     peak_tflops: float
 
     def __post_init__(self):
+        dist.check_precision(self.precision)
         if not self.factor > 1:
             raise ValueError(f"factor must be greater than 1 (the context grows s-fold), got {self.factor}")
         if self.original_context < 0:
@@ -178,6 +179,11 @@ def check_inputs(base: Path, data: Path, cfg: Config):
         raise config.UserError(f"extend_context: the shards in {data} use {meta['vocab_size']} token ids but the base "
                                f"model has {base_config.vocab_size}; use the tokenizer the base model was trained with")
     if cfg.finetune:
+        for split in ("train", "val"):
+            try:
+                shards.check_split(data, split)
+            except config.UserError as e:
+                raise config.UserError(f"extend_context: {e}") from None
         context = int(round(cfg.factor * original))
         n = min(meta["splits"][s]["tokens"] for s in ("train", "val"))
         if n < context + 2:

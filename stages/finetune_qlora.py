@@ -194,8 +194,8 @@ def keep_4bit_layout(model) -> None:
     CPU kernel the first time the layer runs in eval mode with an input that needs no grad (any no-grad
     evaluation) on a CPU that has the instructions. From then on every call, training ones too, goes to
     that kernel: bf16 math and no backward, so the gradients reaching earlier layers' adapters are
-    wrong, on those CPUs only. Here the layer's switch for it is turned off, a weight already repacked is
-    unpacked, and a hook fails loudly should a bitsandbytes version repack by another path: training and
+    wrong, on those CPUs only. Here the layer's switch for it is turned off (a weight already repacked
+    is refused), and a hook fails loudly should a bitsandbytes version repack by another path: training and
     evaluation compute with the dequantized weights in the compute dtype everywhere (evaluation is
     bit-equal to the training forward pass, and results do not depend on the CPU's instructions)."""
     import bitsandbytes as bnb
@@ -203,12 +203,14 @@ def keep_4bit_layout(model) -> None:
     for name, mod in model.named_modules():
         if not isinstance(mod, bnb.nn.Linear4bit):
             continue
-        mod.support_avx512bf16_for_cpu = False  # the switch Linear4bit.forward reads before repacking
+        # bitsandbytes' inverse of the repacking does not restore the per-block constants exactly, so a
+        # repacked weight is refused, not unpacked: load the base afresh.
         if cpu_packed(mod):
-            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
-
-            mod.weight.data, mod.weight.quant_state = _convert_weight_packed_for_cpu_inverse(
-                mod.weight.data, mod.weight.quant_state)
+            raise RuntimeError(f"finetune_qlora: {name} was repacked for bitsandbytes' CPU inference kernel before "
+                               f"training; load the base model afresh (load_base) instead of reusing an evaluated one")
+        mod.support_avx512bf16_for_cpu = False  # the switch Linear4bit.forward reads before repacking
+        # before the call (a repack from outside forward) and after it (a repack inside forward)
+        mod.register_forward_pre_hook(functools.partial(_refuse_cpu_packing, name=name))
         mod.register_forward_hook(functools.partial(_refuse_cpu_packing, name=name))
 
 
@@ -217,7 +219,7 @@ def cpu_packed(layer) -> bool:
     return bool(getattr(getattr(layer.weight, "quant_state", None), "packing_format_for_cpu", False))
 
 
-def _refuse_cpu_packing(layer, args, output, name: str):
+def _refuse_cpu_packing(layer, *args, name: str):
     if cpu_packed(layer):
         import bitsandbytes
 

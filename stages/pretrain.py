@@ -129,9 +129,10 @@ def check_input(folder: Path) -> dict:
     except FileNotFoundError as e:
         raise config.UserError(f"pretrain: {e}") from None
     for split in ("train", "val"):
-        for name in meta["splits"][split]["shards"]:
-            if not (folder / name).is_file():
-                raise config.UserError(f"pretrain: token shard {folder / name} is missing; re-run tokenize")
+        try:
+            shards.check_split(folder, split)
+        except config.UserError as e:
+            raise config.UserError(f"pretrain: {e}") from None
     tok_dir = folder / "tokenizer"
     if not (tok_dir / "tokenizer.json").is_file():
         raise config.UserError(f"pretrain: no tokenizer in {tok_dir}; re-run tokenize")

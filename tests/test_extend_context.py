@@ -104,6 +104,7 @@ def test_llama3_keeps_short_wavelengths_divides_long_ones_and_blends_between():
                                                                "high_freq_factor; add high_freq_factor"),
     ("variants={y: {rope_type: yarn, beta: 3}}", "variants.y.beta: not a key of rope_type yarn"),
     ("finetune=[ntk]", "finetune: ntk is not a variant; valid: unscaled, linear, dynamic, yarn, llama3"),
+    ("precision=fp16", "extend_context.precision: unknown precision 'fp16'; valid: auto, fp32, bf16"),
 ])
 def test_bad_params_are_clear_errors(workdir, override, message):
     with pytest.raises(config.ConfigError, match=re.escape(message)):

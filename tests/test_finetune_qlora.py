@@ -248,6 +248,8 @@ def test_gradients_after_a_no_grad_eval_equal_the_dequantized_reference(tmp_path
     cfg = config.load(ft.Config, ft.STAGE, ROOT / "params.yaml", overrides)
     cpu = torch.device("cpu")
     model = ft.add_adapters(ft.load_base(cfg, cpu, quantized=True), cfg)
+    layers = [m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    assert len(layers) == 14 and not any(m.support_avx512bf16_for_cpu for m in layers), "the repack switch is off"
     for name, p in model.named_parameters():
         if "lora_B" in name:  # B starts at zero, which would leave A without gradient
             torch.nn.init.normal_(p, std=0.05)
@@ -274,6 +276,28 @@ def test_gradients_after_a_no_grad_eval_equal_the_dequantized_reference(tmp_path
     loop.lm_loss(reference, x, y).backward()
     want = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
     assert grads.keys() == want.keys() and len(grads) == 2 * 7 * 2  # A and B, 7 linear layers, 2 layers
+    assert all(g is not None and g.abs().sum() > 0 for g in grads.values())
     for name in grads:
         torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-7,
                                    msg=lambda m: f"{name} (CPU bf16 kernel present: {has_avx512bf16()}): {m}")
+
+
+def test_a_repacked_4bit_weight_fails_loudly(tmp_path):
+    """Should bitsandbytes repack a weight for its CPU inference kernel by some other path, the next
+    forward pass stops with an error instead of training on. The repack is done by hand here, so the
+    check runs on CPUs with and without AVX512-BF16 alike."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                 tie_word_embeddings=False)).save_pretrained(tmp_path / "base")
+    cfg = config.load(ft.Config, ft.STAGE, ROOT / "params.yaml", [*TINY, f"base={tmp_path / 'base'}", "seq_length=32"])
+    model = ft.load_base(cfg, torch.device("cpu"), quantized=True)
+    layer = model.model.layers[0].self_attn.q_proj
+    layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu(layer.weight.data, layer.weight.quant_state)
+    assert ft.cpu_packed(layer)
+    with pytest.raises(RuntimeError, match="repacked the 4-bit weight of model.layers.0.self_attn.q_proj"):
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="was repacked for bitsandbytes' CPU inference kernel before training"):
+        ft.keep_4bit_layout(model)

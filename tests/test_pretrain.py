@@ -191,3 +191,65 @@ def test_bf16_precision_trains_under_autocast_with_fp32_weights(tokenized, monke
         meta = json.loads((tokenized / out / "meta.json").read_text())
         assert meta["compute_dtype"] == dtype and meta["cpu"] == dist.cpu_info()
         assert meta["cpu"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+class _RunsCode:
+    """Unpickled with weights_only=False, this creates a file: a checkpoint that runs code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_damaged_or_tampered_checkpoints_are_passed_over(tokenized, tmp_path, monkeypatch):
+    """A newest checkpoint whose extra.pt would run code, or whose shard is truncated, is never loaded:
+    the re-run warns naming it and resumes from the older intact one, and trains the uninterrupted model."""
+    ckpt_root = tmp_path / "ckpts"
+    env = {"PIPELINE_CHECKPOINTS": str(ckpt_root)}
+    args = ("checkpoint_every=2",)
+    monkeypatch.chdir(tokenized)
+    whole = pretrain.main(["--input", "data/tokenize", "--output", str(tmp_path / "whole"), *TINY])["history"]["loss"]
+    assert run(tokenized, tmp_path / "out", 1, *args, check=False, PIPELINE_FAULT_IN_CHECKPOINT="6", **env).returncode
+    (folder,) = ckpt_root.glob("pretrain/*")
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-2", "step-4"]
+    # step-4's extra.pt replaced by a pickle that runs code, its manifest rewritten to match
+    marker = tmp_path / "code-ran"
+    extra = torch.load(folder / "step-4/extra.pt", weights_only=True)
+    torch.save({**extra, "payload": _RunsCode(marker)}, folder / "step-4/extra.pt")
+    from stages.common import ckpt
+
+    ckpt.write_manifest(folder / "step-4")
+    proc = run(tokenized, tmp_path / "out", 1, *args, check=False, PIPELINE_FAULT_IN_CHECKPOINT="6", **env)
+    log = proc.stdout + proc.stderr
+    assert not marker.exists(), "loading a checkpoint ran code"
+    assert f"not resuming from checkpoint {folder / 'step-4'}: extra.pt does not load as plain data" in log, log
+    assert "resuming from" in log and "(step 2)" in log, log
+    # the re-run wrote a fresh step-4; truncate one of its shard files
+    shard = sorted((folder / "step-4/state").glob("*.distcp"))[0]
+    with open(shard, "r+b") as fh:
+        fh.truncate(shard.stat().st_size // 2)
+    proc = run(tokenized, tmp_path / "out", 1, *args, **env)
+    log = proc.stdout + proc.stderr
+    assert f"not resuming from checkpoint {folder / 'step-4'}: state/{shard.name} holds" in log, log
+    assert "(step 2)" in log
+    np.testing.assert_allclose(loss_curve(tmp_path, "out"), whole, rtol=0, atol=5e-7)  # loss.csv keeps 6 decimals
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "whole/model/model.safetensors"), load_file(tmp_path / "out/model/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the resumed run trains the same model"
+
+
+def test_truncated_token_shard_fails_before_training(tokenized, tmp_path, monkeypatch):
+    monkeypatch.chdir(tokenized)
+    broken = tmp_path / "tok"
+    shutil.copytree(tokenized / "data/tokenize", broken)
+    shard = broken / "train_0000.bin"
+    for size in (shard.stat().st_size - 1000, shard.stat().st_size - 1001):  # whole ids cut, then half an id
+        with open(shard, "r+b") as fh:
+            fh.truncate(size)
+        with pytest.raises(config.UserError, match=f"pretrain: token shard .*train_0000.bin holds {size:,} bytes, but "
+                                                   ".*meta.json counts .* the shard is truncated or corrupted; re-run tokenize"):
+            pretrain.main(["--input", str(broken), "--output", "bad", *TINY])
+    assert not (tokenized / "bad").exists()

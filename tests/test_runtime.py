@@ -97,3 +97,23 @@ def test_single_process_runtime_has_no_group():
     import torch
 
     assert dist.compute_dtype(torch.device("cpu")) == torch.float32
+
+
+def test_manifest_tells_intact_checkpoints_from_damaged_ones(tmp_path, capsys):
+    for step in (2, 4):
+        (tmp_path / f"step-{step}/state").mkdir(parents=True)
+        (tmp_path / f"step-{step}/state/shard.distcp").write_bytes(b"x" * 100)
+        (tmp_path / f"step-{step}/extra.pt").write_bytes(b"y" * 10)
+        ckpt.write_manifest(tmp_path / f"step-{step}")
+    assert ckpt.manifest_problem(tmp_path / "step-4") is None
+    assert ckpt.newest_intact_checkpoint(tmp_path).name == "step-4"
+    (tmp_path / "step-4/state/shard.distcp").write_bytes(b"x" * 99)
+    assert ckpt.manifest_problem(tmp_path / "step-4") == "state/shard.distcp holds 99 bytes, its manifest.json says 100"
+    (tmp_path / "step-4/state/shard.distcp").write_bytes(b"z" * 100)
+    assert "state/shard.distcp differs from its manifest.json" in ckpt.manifest_problem(tmp_path / "step-4")
+    (tmp_path / "step-4/state/shard.distcp").unlink()
+    assert "missing: ['state/shard.distcp']" in ckpt.manifest_problem(tmp_path / "step-4")
+    assert ckpt.newest_intact_checkpoint(tmp_path).name == "step-2"
+    assert f"not resuming from checkpoint {tmp_path / 'step-4'}" in capsys.readouterr().out
+    (tmp_path / "step-2/manifest.json").write_text("{")
+    assert ckpt.newest_intact_checkpoint(tmp_path) is None

@@ -110,11 +110,65 @@ def write_json(path: str | Path, obj) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def latest_checkpoint(folder: str | Path) -> Path | None:
-    """The newest complete `step-<n>` folder under `folder` (temporary, half-written ones are hidden
-    names and never match), or None."""
+def checkpoints(folder: str | Path) -> list[Path]:
+    """The complete `step-<n>` folders under `folder`, newest first (temporary, half-written ones have
+    hidden names and never match)."""
     folder = Path(folder)
     if not folder.is_dir():
-        return None
+        return []
     steps = [p for p in folder.glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
-    return max(steps, key=lambda p: int(p.name[5:]), default=None)
+    return sorted(steps, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+def latest_checkpoint(folder: str | Path) -> Path | None:
+    """The newest complete `step-<n>` folder under `folder`, or None."""
+    return next(iter(checkpoints(folder)), None)
+
+
+MANIFEST = "manifest.json"
+
+
+def write_manifest(folder: str | Path) -> None:
+    """Record the size and sha256 of every file in a checkpoint folder (written last, once every rank's
+    files are complete), so a later run can tell an intact checkpoint from a damaged one."""
+    folder = Path(folder)
+    files = {str(f.relative_to(folder)): {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+             for f in sorted(folder.rglob("*")) if f.is_file() and f.name != MANIFEST}
+    write_json(folder / MANIFEST, files)
+
+
+def manifest_problem(folder: str | Path) -> str | None:
+    """Why a checkpoint folder does not match its manifest (missing, truncated, changed or extra
+    files), or None when it matches."""
+    folder = Path(folder)
+    try:
+        files = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"it has no {MANIFEST}"
+    except (OSError, ValueError):
+        return f"its {MANIFEST} is unreadable"
+    if not isinstance(files, dict):
+        return f"its {MANIFEST} is unreadable"
+    present = {str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file() and f.name != MANIFEST}
+    if present != set(files):
+        missing, extra = sorted(set(files) - present), sorted(present - set(files))
+        return f"files differ from its {MANIFEST} (missing: {missing[:3]}, unexpected: {extra[:3]})"
+    for rel, want in files.items():
+        size = (folder / rel).stat().st_size
+        if size != want.get("bytes"):
+            return f"{rel} holds {size:,} bytes, its {MANIFEST} says {want.get('bytes')}"
+        if sha256_file(folder / rel) != want.get("sha256"):
+            return f"{rel} differs from its {MANIFEST} (sha256)"
+    return None
+
+
+def newest_intact_checkpoint(folder: str | Path, problem=manifest_problem) -> Path | None:
+    """The newest checkpoint under `folder` for which `problem(path)` finds nothing, or None. Each
+    damaged one passed over is named in a warning (it stays on disk for inspection; the next save
+    replaces or prunes it)."""
+    for path in checkpoints(folder):
+        why = problem(path)
+        if why is None:
+            return path
+        print(f"warning: not resuming from checkpoint {path}: {why}; trying an older one", flush=True)
+    return None

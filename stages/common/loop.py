@@ -3,8 +3,8 @@
 It owns what every causal-LM training run needs: data parallelism (DDP, or FSDP2 `fully_shard` per
 decoder layer then the root), AdamW with weight-decay groups, linear warmup + cosine decay, gradient
 accumulation and clipping, periodic validation, tokens/s and MFU, sharded checkpoints with
-`torch.distributed.checkpoint` every N steps and on SIGTERM, and exact resume from the newest
-complete checkpoint.
+`torch.distributed.checkpoint` every N steps and on SIGTERM (each with a manifest of its files' sizes
+and sha256), and exact resume from the newest intact checkpoint (a damaged one is passed over).
 
 Batches are a pure function of (seed, step): each step draws `batch_size` windows from the token
 stream with a generator seeded by both, and rank r takes its slice. So the data position is the step,
@@ -195,6 +195,9 @@ def save_checkpoint(folder: Path, step: int, model, optimizer, history: list, rt
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
         if rt.is_main:
             torch.save({"step": step, "history": history, "torch_rng": torch.get_rng_state()}, tmp / "extra.pt")
+        dist.barrier()  # every rank's shard is on disk before the manifest records them
+        if rt.is_main:
+            ckpt.write_manifest(tmp)
         if os.environ.get("PIPELINE_FAULT_IN_CHECKPOINT") == str(step):
             os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the resume tests
     if rt.is_main:
@@ -205,12 +208,24 @@ def save_checkpoint(folder: Path, step: int, model, optimizer, history: list, rt
     return final
 
 
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from: files that do not match its manifest (truncated,
+    changed, missing), or an extra.pt that is not plain data. None when it is intact."""
+    problem = ckpt.manifest_problem(path)
+    if problem is None:
+        try:
+            torch.load(path / "extra.pt", weights_only=True)
+        except Exception as e:  # noqa: BLE001  whatever the unpickler refuses
+            problem = f"extra.pt does not load as plain data ({type(e).__name__})"
+    return problem
+
+
 def load_checkpoint(path: Path, model, optimizer) -> dict:
     model_sd, optim_sd, options = state_dicts(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / "state"))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
-    extra = torch.load(path / "extra.pt", weights_only=False)
+    extra = torch.load(path / "extra.pt", weights_only=True)  # data only: a checkpoint never runs code
     torch.set_rng_state(extra["torch_rng"])
     return extra
 
@@ -283,7 +298,8 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
     val_w = Windows(val_data, cfg.context_length, cfg.seed) if isinstance(val_data, np.ndarray) else val_data
     history = {"step": [], "loss": [], "lr": [], "val_step": [], "val_loss": []}
     start = 0
-    latest = ckpt.latest_checkpoint(ckpt_folder)
+    # Rank 0 picks the newest intact checkpoint (a damaged one is skipped with a warning); all ranks load it.
+    latest = dist.broadcast_object(ckpt.newest_intact_checkpoint(ckpt_folder, checkpoint_problem) if rt.is_main else None)
     if latest is not None:
         extra = load_checkpoint(latest, model, optimizer)
         start, history = extra["step"], extra["history"]

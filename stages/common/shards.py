@@ -51,12 +51,35 @@ def read_meta(folder: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def open_split(folder: str | Path, split: str) -> list[np.memmap]:
-    """The split's shards as read-only memory maps, in order."""
+def check_split(folder: str | Path, split: str) -> None:
+    """Every shard of the split is present and holds the ids meta.json counts (all but the last
+    `shard_tokens`, the last the rest): a truncated, padded or missing shard is one clear error, raised
+    before any compute, naming the file and the fix."""
+    from stages.common.config import UserError
+
     folder = Path(folder)
     meta = read_meta(folder)
     if split not in meta["splits"]:
         raise KeyError(f"{folder}: no split {split!r}; have {', '.join(meta['splits'])}")
+    names, total = meta["splits"][split]["shards"], meta["splits"][split]["tokens"]
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    fix = "re-run tokenize (dvc repro --force tokenize, or snakemake --forcerun tokenize)"
+    for i, name in enumerate(names):
+        path = folder / name
+        want = meta["shard_tokens"] if i < len(names) - 1 else total - meta["shard_tokens"] * (len(names) - 1)
+        if not path.is_file():
+            raise UserError(f"token shard {path} is missing; {fix}")
+        size = path.stat().st_size
+        if size != want * itemsize:
+            raise UserError(f"token shard {path} holds {size:,} bytes, but {folder / 'meta.json'} counts {want:,} "
+                            f"{meta['dtype']} ids ({want * itemsize:,} bytes): the shard is truncated or corrupted; {fix}")
+
+
+def open_split(folder: str | Path, split: str) -> list[np.memmap]:
+    """The split's shards as read-only memory maps, in order (checked against meta.json first)."""
+    folder = Path(folder)
+    check_split(folder, split)
+    meta = read_meta(folder)
     dtype = np.dtype(meta["dtype"])
     return [np.memmap(folder / name, dtype=dtype, mode="r") for name in meta["splits"][split]["shards"]]
 
