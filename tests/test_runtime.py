@@ -117,3 +117,18 @@ def test_manifest_tells_intact_checkpoints_from_damaged_ones(tmp_path, capsys):
     assert f"not resuming from checkpoint {tmp_path / 'step-4'}" in capsys.readouterr().out
     (tmp_path / "step-2/manifest.json").write_text("{")
     assert ckpt.newest_intact_checkpoint(tmp_path) is None
+
+
+def test_an_unreachable_tracking_server_is_one_clear_error(tmp_path):
+    """MLflow's client retries an unreachable server for minutes; a stage asks once and stops with the URI."""
+    code = ("from stages.common import config, dist, track\n"
+            "rt = dist.Runtime(0, 1, 0, 1, None)\n"
+            "try:\n"
+            "    with track.start_run('probe', {}, '', rt): print('tracked')\n"
+            "except config.UserError as e: print('error:', e)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": "http://127.0.0.1:9",
+           "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)  # a guard against the hang itself, not a speed check
+    assert "error: MLflow tracking server http://127.0.0.1:9 is unreachable" in proc.stdout, proc.stdout + proc.stderr
+    assert "unset it to track to ./mlflow.db" in proc.stdout

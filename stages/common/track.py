@@ -151,6 +151,24 @@ def _parent_run(client, experiment_id: str, group: str, lock_path: Path) -> str:
         return run.info.run_id
 
 
+def server_problem(uri: str, timeout_s: float = 10.0) -> str | None:
+    """Why the tracking server at an http(s) URI does not answer its health check, or None (also for
+    local stores). MLflow's own client retries for minutes before it fails; this asks once."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as response:
+            response.read()
+    except urllib.error.HTTPError as e:
+        return f"its /health answered HTTP {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        return str(getattr(e, "reason", e))
+    return None
+
+
 @contextlib.contextmanager
 def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags: dict | None = None):
     """Open the stage's MLflow run on rank 0 (yield a Tracker; a silent one on other ranks).
@@ -158,6 +176,13 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags
     Tags: stage, git commit, input content hash, pipeline invocation, world size, device; params
     are the stage's params section; the environment (`pip freeze`) is an artifact.
     """
+    # Every rank learns the answer, so all stop together instead of waiting on rank 0 in a collective.
+    problem = dist.broadcast_object(server_problem(tracking_uri()) if rt.is_main else None)
+    if problem:
+        from stages.common.config import UserError
+
+        raise UserError(f"MLflow tracking server {tracking_uri()} is unreachable ({problem}); start it, point "
+                        f"MLFLOW_TRACKING_URI at a running one, or unset it to track to ./mlflow.db")
     if not rt.is_main:
         yield Tracker(None)
         return
