@@ -6,20 +6,26 @@
 #   snakemake --rulegraph | dot -Tpng > dag.png
 #   snakemake --profile pipelines/profiles/slurm   # one sbatch job per stage (pipelines/profiles/)
 #
-# After each stage, `dvc commit` records its outputs in dvc.lock (one commit at a time: DVC locks the
-# repository), so `dvc status` agrees with Snakemake about what is current.
+# After each stage, `dvc commit` records its outputs in dvc.lock (pipelines/commit.py: one commit at a
+# time, a damaged dvc.lock restored from its last good copy), so `dvc status` agrees with Snakemake about
+# what is current.
 import json
 import os
+import sys
 import uuid
 
 import yaml
 
+from pipelines.commit import repair as repair_dvc_lock
 from pipelines.dag import fill, is_dir, load_table
 from pipelines.sync import align_mtimes
 
 # One id per invocation groups this run's stages in MLflow (jobs, local or on a cluster, inherit it).
 os.environ.setdefault("PIPELINE_RUN_ID", "smk-" + uuid.uuid4().hex[:12])
 os.environ["PIPELINE_SNAKEMAKE"] = "1"  # tells pipelines.launch that Snakemake keeps its own records
+# The rules' `python` and `dvc` are those of the environment Snakemake runs in, also when it is started
+# as .venv/bin/snakemake without activating the environment (jobs, local or sbatch, inherit PATH).
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 # --config mlflow_tracking_uri=...: the stages log there (a tracking server, for cluster runs).
 if config.get("mlflow_tracking_uri"):
     os.environ["MLFLOW_TRACKING_URI"] = str(config["mlflow_tracking_uri"])
@@ -28,7 +34,9 @@ CPU_ONLY = bool(config.get("cpu_only"))
 
 STAGES = load_table()
 if workflow.is_main_process and not config.get("dump_rules") and not os.environ.get("PIPELINE_NO_SYNC"):
-    # Outputs DVC restored or rebuilt count as current when dvc.lock says so (see pipelines/sync.py).
+    repair_dvc_lock()
+    # Outputs DVC restored or rebuilt count as current when dvc.lock says so, and outputs of stages DVC
+    # sees as changed count as stale (see pipelines/sync.py).
     align_mtimes()
 with open("params.yaml") as fh:
     PARAMS = yaml.safe_load(fh)
@@ -74,7 +82,7 @@ for st in STAGES.values():
             item="|".join(st.foreach) or "[^/]+",
         shell:
             "{params.cmd} > {log} 2>&1"
-            " && flock .snakemake/dvc-commit.lock dvc commit --force --quiet {params.dvc_stage} >> {log} 2>&1"
+            " && python -m pipelines.commit {params.dvc_stage} >> {log} 2>&1"
 
 
 if config.get("dump_rules"):

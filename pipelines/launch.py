@@ -100,14 +100,26 @@ def main() -> None:
         raise SystemExit(__doc__)
     cmd = command(sys.argv[1], sys.argv[2:])
     print("launch:", " ".join(cmd), file=sys.stderr, flush=True)
-    child = subprocess.Popen(cmd)
-    warned = []
+    # The child runs in a process group of its own, so Ctrl-C at a terminal reaches it once, through
+    # this launcher (torchrun's shutdown breaks on a second signal), and it dies with the launcher:
+    # killed with it, even by SIGKILL, it gets SIGTERM and its stage saves a checkpoint.
+    from stages.common.dist import die_with_parent
+
+    child = subprocess.Popen(cmd, process_group=0, preexec_fn=die_with_parent,
+                             env={**os.environ, "PIPELINE_LAUNCHED": "1"})
+    warned, forwarded = [], []
 
     # Preemption and time limits signal the launcher; the stage must hear them to checkpoint. Stages
-    # checkpoint on SIGTERM, so SLURM's warning signal (USR1) reaches them as SIGTERM.
+    # checkpoint on SIGTERM and SIGINT; SLURM's warning signal (USR1) reaches them as SIGTERM. Only the
+    # first signal is passed on: the stage is already stopping.
     def forward(signum, frame):
         if signum == signal.SIGUSR1:
             warned.append(signum)
+        if forwarded:
+            print(f"launch: {signal.Signals(signum).name} again: the stage is already saving and stopping "
+                  f"(SIGKILL pid {child.pid} to abort)", file=sys.stderr, flush=True)
+            return
+        forwarded.append(signum)
         child.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):

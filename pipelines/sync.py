@@ -5,7 +5,10 @@ upstream folder is then newer than the downstream outputs made from it, and Snak
 stages whose inputs did not change. DVC knows better: it compares content hashes with dvc.lock.
 The Snakefile calls `align_mtimes()` when it loads; for each stage that `dvc status` reports as
 current, in dependency order, outputs older than an input get that input's time (plus 1 ms), so
-Snakemake sees them as up to date too. Stages DVC reports as changed are left alone and re-run.
+Snakemake sees them as up to date too. Stages DVC reports as changed (code, params or inputs differ
+from dvc.lock) get outputs older than their newest input, so Snakemake re-runs them even when it has
+no records of its own that would show the change (after `dvc repro` or `dvc checkout`, which leave
+none): the two tools agree through DVC's content hashes, never through Snakemake's metadata alone.
 
     python -m pipelines.sync          # the same, by hand
 """
@@ -47,13 +50,23 @@ def dvc_changed(root: Path) -> set[str] | None:
 
 
 def align_mtimes(root: Path = Path(".")) -> list[str]:
-    """Bump outputs of DVC-current stages that are older than their inputs; returns what was bumped."""
+    """Age the outputs of DVC-changed stages below their inputs, and bump outputs of DVC-current stages
+    that are older than their inputs; returns the outputs whose times were set."""
     changed = dvc_changed(root)
     if changed is None:
         return []
     instances = [(st, name, item) for st in load_table(root / "pipelines/stages.yaml").values()
                  for name, item in st.instances()]
     bumped = []
+    for st, name, item in instances:
+        deps = [root / fill(d, item) for d in st.deps]
+        outs = [root / fill(o, item) for o in st.outs]
+        if name in changed and deps and all(p.exists() for p in deps + outs):
+            oldest = max(snakemake_mtime(p) for p in deps) - 1.0
+            for out in outs:
+                if snakemake_mtime(out) > oldest:
+                    set_mtime(out, oldest)
+                    bumped.append(str(out.relative_to(root)))
     # Repeat until nothing moves, so a bump upstream reaches every stage below it.
     for _ in range(len(instances)):
         moved = False

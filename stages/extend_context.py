@@ -317,7 +317,7 @@ def run(base: Path, data: Path, output: Path, cfg: Config, configs: dict, lcfg: 
             dist.print0(f"extend_context: fine-tuning {name} at context {lcfg.context_length}", rt=rt)
             summary = finetune(name, configs[name], base, data, cfg, lcfg, inputs_hash, rt, tracker, stop)
             if summary is None:
-                tracker.set_tags({"stopped_by": "SIGTERM"})
+                tracker.set_tags({"stopped_by": stop.signal or "SIGTERM"})
                 return None
             summaries[name] = summary
             finals[name] = ckpt.checkpoint_dir(STAGE, {**config.as_dict(cfg), "variant": name}, inputs_hash) / "final"

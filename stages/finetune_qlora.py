@@ -40,7 +40,6 @@ import gc
 import math
 import re
 import resource
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -351,7 +350,7 @@ def run(cfg: Config, records: list[dict], records_path: Path, output: Path, rt: 
     with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"checkpoints": str(ckpt_folder)}) as tracker:
         result = loop.train(model, train_src, eval_src, lcfg, rt, ckpt_folder, tracker, stop)
         if result["stopped"]:
-            tracker.set_tags({"stopped_by": "SIGTERM", "resume_from": str(ckpt_folder)})
+            tracker.set_tags({"stopped_by": stop.signal or "SIGTERM", "resume_from": str(ckpt_folder)})
             return {"stopped": True}
         hist = result["history"]
         if hist["val_step"] and hist["val_step"][-1] == cfg.steps:
@@ -386,7 +385,7 @@ def run(cfg: Config, records: list[dict], records_path: Path, output: Path, rt: 
         if rt.is_main:
             tracker.log_artifact(output / "plots/loss.png", "plots")
             tracker.log_artifact(output / "metrics.json")
-            shutil.rmtree(ckpt_folder, ignore_errors=True)  # the run is complete; its checkpoints are spent
+            ckpt.discard(ckpt_folder)  # the run is complete; its checkpoints are spent
     # One process: hand back the trained model itself (tests compare it with what was saved).
     return {**metrics, "history": hist, "stopped": False, "model": trained}
 

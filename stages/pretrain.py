@@ -192,7 +192,7 @@ def run(cfg: Config, lcfg: loop.LoopConfig, inp: Path, output: Path, meta_in: di
     with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"checkpoints": str(ckpt_folder)}) as tracker:
         result = loop.train(build_model(cfg, meta_in), train_tokens, val_tokens, lcfg, rt, ckpt_folder, tracker, stop)
         if result["stopped"]:
-            tracker.set_tags({"stopped_by": "SIGTERM", "resume_from": str(ckpt_folder)})
+            tracker.set_tags({"stopped_by": stop.signal or "SIGTERM", "resume_from": str(ckpt_folder)})
             return {"stopped": True}
         model_sd = loop.full_state_dict(result["model"], rt)
         meta = None
@@ -205,7 +205,7 @@ def run(cfg: Config, lcfg: loop.LoopConfig, inp: Path, output: Path, meta_in: di
         if rt.is_main:
             tracker.log_artifact(output / "plots/loss.png", "plots")
             tracker.log_artifact(output / "meta.json")
-            shutil.rmtree(ckpt_folder, ignore_errors=True)  # the run is complete; its checkpoints are spent
+            ckpt.discard(ckpt_folder)  # the run is complete; its checkpoints are spent
     meta = dist.broadcast_object(meta)
     # One process: hand back the trained model itself (tests compare it with what was saved).
     return {**meta, "history": result["history"], "stopped": False,

@@ -126,6 +126,11 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     set_growth(clone, 1.3)
     assert dvc_ran(sh("dvc repro", clone)) == {"context_study", "report"}
     assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone), "dvc repro results count for snakemake"
+    # A second params change after `dvc repro` (which leaves Snakemake no records of those stages): Snakemake
+    # still sees it, through DVC, and would re-run the same stages DVC would.
+    set_growth(clone, 1.4)
+    assert "context_study" in sh("dvc status", clone)
+    assert snakemake_ran(sh("snakemake --cores 2 -n", clone)) == {"context_study", "report"}
     # A sweep point as a DVC experiment: the same two stages, recorded with its params and metrics.
     assert dvc_ran(sh("dvc exp run -S context_study.unscaled_growth=1.25 -n growth-1.25", clone)) == {
         "context_study", "report"}
@@ -166,6 +171,22 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     assert by_tool["smk-"] == sorted(map(str, [full, downstream, study]))
     assert by_tool["dvc-"] == [str(study)] * 2  # dvc repro, dvc exp run
     assert len(groups) == 5
+
+    # dvc.lock emptied by a kill in the middle of a `dvc commit`: Snakemake restores its last good copy
+    # when it loads (every load refreshes that copy), and both tools see everything current again.
+    sh("snakemake --cores 2 -n", clone)
+    (clone / "dvc.lock").write_text("")
+    out = sh("snakemake --cores 2 -n", clone)
+    assert "dvc.lock was damaged (it holds no stages)" in out and "Nothing to be done" in out, out[-3000:]
+    assert UP_TO_DATE in sh("dvc status", clone)
+
+    # The environment's snakemake started by its path, without the environment on PATH: the rules run its
+    # python and dvc, not the system's.
+    bare = {**env_for(clone), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "snakemake"), "--cores", "2", "--forcerun", "context_study",
+                           "context_study"], cwd=clone, env=bare, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and snakemake_ran(proc.stdout + proc.stderr) == {"context_study"}, proc.stderr[-3000:]
+    assert "context_study:" not in sh("dvc status", clone), "the rule's dvc commit ran too"
 
 
 def kill_everything_in(folder: Path) -> int:
@@ -218,11 +239,15 @@ def test_stopped_pipeline_resumes_from_the_stage_checkpoint(clone):
     assert "\tsnakemake --profile pipelines/profiles/local --cores all\n" in (ROOT / "Makefile").read_text()
     run = "snakemake --profile pipelines/profiles/local --cores 2 pretrain"
 
-    # Ctrl-C: the terminal signals the foreground process group; pretrain saves a checkpoint and exits.
+    # Ctrl-C: the terminal signals the foreground process group; pretrain saves a checkpoint and exits,
+    # and the re-run resumes from that checkpoint (not only from a periodic one).
     set_pretrain(clone, steps=400, checkpoint_every=20, eval_every=400)
     start_and_stop_mid_pretrain(clone, run, lambda proc: os.killpg(proc.pid, signal.SIGINT))
+    log = (clone / "logs/pretrain.log").read_text()
+    saved = re.search(r"stopped by SIGINT after step (\d+); checkpoint saved", log)
+    assert saved and "KeyboardInterrupt" not in log, log[-3000:]
     assert snakemake_ran(sh(run, clone)) == {"pretrain"}
-    assert resumed_step(clone) >= 20
+    assert resumed_step(clone) == int(saved.group(1))
     assert json.loads((clone / "data/pretrain/meta.json").read_text())["step"] == 400
 
     # A lost machine: no process survives to clean up. Snakemake keeps its lock until told to drop it.

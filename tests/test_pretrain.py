@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -117,6 +118,99 @@ def test_sigterm_checkpoints_and_the_rerun_resumes(tokenized):
     assert 0 < step < 400
 
 
+
+def test_ctrl_c_under_the_launcher_and_torchrun_saves_a_checkpoint(tokenized):
+    """Ctrl-C signals the terminal's foreground process group (the launcher and torchrun; torchrun's
+    workers run in a session of their own and hear it from torchrun): both ranks finish the step, save
+    a checkpoint and stop, with no KeyboardInterrupt."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import stage_env
+
+    ckpt_root = tokenized / "ckpts-int"
+    env = stage_env(tokenized, PIPELINE_CHECKPOINTS=str(ckpt_root), PIPELINE_NPROC_PER_NODE="2")
+    cmd = [sys.executable, "-m", "pipelines.launch", "pretrain", "--input", "data/tokenize", "--output", "int", *TINY,
+           "steps=400", "eval_every=0", "checkpoint_every=0"]
+    log = tokenized / "int.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=tokenized, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 180
+        while time.time() < deadline and "train:" not in log.read_text() and proc.poll() is None:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+    text = log.read_text()
+    assert proc.returncode != 0 and "KeyboardInterrupt" not in text, text[-4000:]
+    assert "SIGINT received: finishing the step, then saving" in text and "stopped by SIGINT after step" in text, text[-4000:]
+    saved = list(ckpt_root.glob("pretrain/*/step-*"))
+    assert len(saved) == 1 and not (tokenized / "int").exists()
+    step = int(saved[0].name[5:])
+    assert 0 < step < 400 and f"stopped by SIGINT after step {step};" in text
+    from stages.common import loop
+
+    assert loop.checkpoint_problem(saved[0]) is None, "the checkpoint is complete and intact"
+
+
+
+def _stage_processes(folder, output: str) -> list[int]:
+    """Pids of the processes running a stage with `--output <output>` in `folder`."""
+    from pathlib import Path
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and Path(os.readlink(proc / "cwd")) == folder:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+                if b"--output" in argv and output.encode() in argv:
+                    found.append(int(proc.name))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def test_a_second_run_refuses_and_training_dies_with_its_launcher(tokenized):
+    """While a run trains, the same stage with the same params and inputs refuses to start, naming the
+    busy checkpoint folder. SIGKILL to the launcher's process group (torchrun's workers run in their own
+    sessions) stops the workers too, and they save a checkpoint on the way out."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import stage_env
+
+    ckpt_root = tokenized / "ckpts-kill"
+    env = stage_env(tokenized, PIPELINE_CHECKPOINTS=str(ckpt_root), PIPELINE_NPROC_PER_NODE="2")
+    args = ["--input", "data/tokenize", "--output", "killed", *TINY, "steps=5000", "eval_every=0", "checkpoint_every=0"]
+    log = tokenized / "killed.log"
+    with open(log, "w") as fh:
+        first = subprocess.Popen([sys.executable, "-m", "pipelines.launch", "pretrain", *args], cwd=tokenized, env=env,
+                                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 180
+        while time.time() < deadline and "train:" not in log.read_text() and first.poll() is None:
+            time.sleep(0.2)
+        second = subprocess.run([sys.executable, "-m", "pipelines.launch", "pretrain", *args], cwd=tokenized, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert first.poll() is None, "the first run is still training"
+        assert second.returncode != 0
+        assert "is in use by another run" in second.stderr and str(ckpt_root / "pretrain") in second.stderr, second.stderr
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+        deadline = time.time() + 120  # a guard against orphans training on, not a speed check
+        while _stage_processes(tokenized, "killed") and time.time() < deadline:
+            time.sleep(0.5)
+    assert not _stage_processes(tokenized, "killed"), "workers outlived their launcher"
+    saved = list(ckpt_root.glob("pretrain/*/step-*"))
+    assert len(saved) == 1 and not (tokenized / "killed").exists(), log.read_text()[-3000:]
+    from stages.common import loop
+
+    assert loop.checkpoint_problem(saved[0]) is None
+
+
 @pytest.mark.parametrize("override, message", [
     (["strategy=zero"], "pretrain.strategy: unknown strategy 'zero'; valid: ddp, fsdp"),
     (["context_length=128"], "context_length \\(128\\) exceeds max_position_embeddings \\(64\\)"),
@@ -212,7 +306,7 @@ def test_damaged_or_tampered_checkpoints_are_passed_over(tokenized, tmp_path, mo
     monkeypatch.chdir(tokenized)
     whole = pretrain.main(["--input", "data/tokenize", "--output", str(tmp_path / "whole"), *TINY])["history"]["loss"]
     assert run(tokenized, tmp_path / "out", 1, *args, check=False, PIPELINE_FAULT_IN_CHECKPOINT="6", **env).returncode
-    (folder,) = ckpt_root.glob("pretrain/*")
+    (folder,) = (p for p in ckpt_root.glob("pretrain/*") if p.is_dir())
     assert sorted(p.name for p in folder.glob("step-*")) == ["step-2", "step-4"]
     # step-4's extra.pt replaced by a pickle that runs code, its manifest rewritten to match
     marker = tmp_path / "code-ran"

@@ -14,6 +14,7 @@ reader never sees a half-written one.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -172,3 +173,45 @@ def newest_intact_checkpoint(folder: str | Path, problem=manifest_problem) -> Pa
             return path
         print(f"warning: not resuming from checkpoint {path}: {why}; trying an older one", flush=True)
     return None
+
+
+@contextlib.contextmanager
+def exclusive(folder: str | Path, rt: dist.Runtime):
+    """Hold the lock of a checkpoint folder while a run trains into it (rank 0 holds it for all ranks).
+    A second run of the same stage, params and inputs (from the other DAG tool, or a launcher's orphans)
+    stops on every rank with one clear error instead of resuming from, or writing over, checkpoints in
+    flight. The lock is the kernel's (flock): it goes with the process, even one killed by SIGKILL."""
+    folder = Path(folder)
+    path = folder.with_name(folder.name + ".lock")
+    handle, holder = None, None
+    if rt.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{os.getpid()} {os.uname().nodename}\n")
+            handle.flush()
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+    holder = dist.broadcast_object(holder)
+    if holder:
+        from stages.common.config import UserError
+
+        raise UserError(f"checkpoint folder {folder} is in use by another run (pid, host: {holder}); wait for it "
+                        f"to finish or stop it, then re-run (it resumes from the checkpoints)")
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.close()
+
+
+def discard(folder: str | Path) -> None:
+    """Remove a finished run's checkpoint folder and its lock file."""
+    folder = Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.with_name(folder.name + ".lock").unlink(missing_ok=True)

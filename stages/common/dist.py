@@ -37,8 +37,25 @@ class Runtime:
         return self.world_size > 1
 
 
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` to this process when its parent exits (prctl PR_SET_PDEATHSIG), so a
+    stage never trains on unobserved after its launcher or torchrun was killed: SIGTERM makes it save a
+    checkpoint and stop. A no-op elsewhere. Also usable as a Popen preexec_fn."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+
+
 def init(timeout_s: int = 1800) -> Runtime:
     """Join the process group when launched by torchrun; pick the device; share the cores."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("PIPELINE_LAUNCHED"):
+        die_with_parent()  # torchrun's workers run in sessions of their own; they go when it goes
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -178,23 +195,31 @@ def progress(iterable=None, rt: Runtime | None = None, **kwargs):
 
 
 class StopFlag:
-    """Set by SIGTERM (preemption, SLURM time limits); long loops poll it, checkpoint and exit."""
+    """Set by SIGTERM (preemption, SLURM time limits) or SIGINT (Ctrl-C); long loops poll it, save a
+    checkpoint and exit."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.signal: str | None = None  # the name of the signal that set it
 
     def __bool__(self) -> bool:
         return self.requested
 
 
 def handle_sigterm() -> StopFlag:
+    """SIGTERM and SIGINT set the returned flag instead of killing the process. Ctrl-C signals the
+    terminal's foreground process group; torchrun passes the signal it got on to its workers, so a
+    training stage hears Ctrl-C as SIGINT and must save like on SIGTERM."""
     flag = StopFlag()
 
-    def _on_term(signum, frame):
+    def _on_signal(signum, frame):
         flag.requested = True
-        print(f"[rank {os.environ.get('RANK', 0)}] SIGTERM received: finishing the step, then saving", file=sys.stderr)
+        flag.signal = signal.Signals(signum).name
+        print(f"[rank {os.environ.get('RANK', 0)}] {flag.signal} received: finishing the step, then saving",
+              file=sys.stderr, flush=True)
 
-    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
     return flag
 
 

@@ -285,6 +285,14 @@ def evaluate(model, windows, cfg: LoopConfig, rt: dist.Runtime) -> float:
 
 def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
           ckpt_folder: Path, tracker, stop: dist.StopFlag) -> dict:
+    """`_train` while this run holds `ckpt_folder` (a second run of the same stage, params and inputs
+    stops with a clear error)."""
+    with ckpt.exclusive(ckpt_folder, rt):
+        return _train(model, train_data, val_data, cfg, rt, ckpt_folder, tracker, stop)
+
+
+def _train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
+           ckpt_folder: Path, tracker, stop: dist.StopFlag) -> dict:
     """Train `model` (a transformers causal LM, or a PEFT model around one) for cfg.steps optimizer
     steps, resuming from the newest checkpoint in `ckpt_folder`. The data are token streams (np.ndarray,
     cut into Windows) or batch sources with `batch(step, index, size) -> (inputs, targets)`. Returns
@@ -357,7 +365,8 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
         if stopped or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps):
             save_checkpoint(ckpt_folder, done, model, optimizer, history, rt)
         if stopped:
-            dist.print0(f"stopped by SIGTERM after step {done}; checkpoint saved, re-run to resume", rt=rt)
+            dist.print0(f"stopped by {stop.signal or 'a signal to another rank'} after step {done}; checkpoint "
+                        f"saved, re-run to resume", rt=rt)
             break
     bar.close()
     # Throughput over this run's steps, the first (warm-up, allocation) left out when there are others.

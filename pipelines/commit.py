@@ -1,0 +1,108 @@
+"""Record a finished stage in dvc.lock: what every Snakemake rule runs after its stage.
+
+    python -m pipelines.commit <dvc stage>     # dvc commit --force <stage>, one at a time, checked
+    python -m pipelines.commit --repair        # restore a damaged dvc.lock from the last good copy
+
+DVC rewrites dvc.lock in place, so a kill in the middle of a commit can leave it empty or cut short;
+from then on every `dvc` command fails on it, and each rule's commit with it. Here every commit runs
+under one lock file (DVC also locks the repository; parallel rules wait their turn instead of
+failing), between two checks of dvc.lock:
+  - before: a dvc.lock that does not parse is restored from `.snakemake/dvc.lock.good`, with a warning
+    (the stage whose commit was cut short then shows as changed, and re-runs);
+  - after: the committed dvc.lock is kept as the new good copy.
+A failed commit prints DVC's own error and exits non-zero: the rule fails in the open, never silently.
+The Snakefile calls `repair()` when it loads, so a damaged dvc.lock never reaches `dvc status` either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+LOCK_FILE = Path("dvc.lock")
+GOOD_COPY = Path(".snakemake/dvc.lock.good")
+COMMIT_LOCK = Path(".snakemake/dvc-commit.lock")
+
+
+def lock_problem(path: Path = LOCK_FILE) -> str | None:
+    """Why dvc.lock cannot be used (empty, cut short, not DVC's format), or None; a missing file is fine
+    (nothing committed yet)."""
+    if not path.exists():
+        return None
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        return f"it does not parse ({str(e).splitlines()[0]})"
+    if not isinstance(data, dict) or not isinstance(data.get("stages"), dict):
+        return "it holds no stages" if not data else "it is not in DVC's lock format"
+    cut = [name for name, entry in data["stages"].items() if not isinstance(entry, dict) or "cmd" not in entry]
+    if cut:
+        return f"the entry of stage {cut[0]} is incomplete (cut short?)"
+    return None
+
+
+def _copy(src: Path, dest: Path) -> None:
+    """Copy through a temporary file and rename: readers see the old file or the new one."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.copyfile(src, tmp)
+    tmp.replace(dest)
+
+
+def repair() -> str:
+    """Keep the good copy current, or restore a damaged dvc.lock from it. Returns what was done."""
+    problem = lock_problem()
+    if problem is None:
+        if LOCK_FILE.exists():
+            _copy(LOCK_FILE, GOOD_COPY)
+        return "ok"
+    if GOOD_COPY.exists() and lock_problem(GOOD_COPY) is None:
+        _copy(LOCK_FILE, LOCK_FILE.with_name("dvc.lock.damaged"))
+        _copy(GOOD_COPY, LOCK_FILE)
+        print(f"warning: dvc.lock was damaged ({problem}), probably by a kill during `dvc commit`; restored the last "
+              f"good copy from {GOOD_COPY} (the damaged file is dvc.lock.damaged); stages committed after that copy "
+              f"show as changed and re-run", file=sys.stderr, flush=True)
+        return "restored"
+    raise SystemExit(f"dvc.lock is damaged ({problem}) and there is no good copy at {GOOD_COPY}: restore it from git "
+                     f"(git checkout dvc.lock) or delete it (every stage then counts as changed)")
+
+
+def commit(stage: str) -> int:
+    COMMIT_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(COMMIT_LOCK, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        repair()
+        proc = subprocess.run([sys.executable, "-m", "dvc", "commit", "--force", "--quiet", stage],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stdout + proc.stderr, file=sys.stderr, end="")
+            print(f"error: `dvc commit {stage}` failed (exit {proc.returncode}); its outputs are not recorded in "
+                  f"dvc.lock. Fix the cause above and re-run", file=sys.stderr, flush=True)
+            return proc.returncode
+        problem = lock_problem()
+        if problem:
+            print(f"error: dvc.lock is damaged after `dvc commit {stage}` ({problem})", file=sys.stderr, flush=True)
+            return 1
+        _copy(LOCK_FILE, GOOD_COPY)
+    return 0
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("stage", nargs="?", help="the DVC stage to commit (e.g. pretrain, finetune_qlora@nf4)")
+    parser.add_argument("--repair", action="store_true", help="only check dvc.lock, restoring it if damaged")
+    args = parser.parse_args(argv)
+    if args.repair or not args.stage:
+        print(f"dvc.lock: {repair()}")
+        return
+    raise SystemExit(commit(args.stage))
+
+
+if __name__ == "__main__":
+    main()
