@@ -232,7 +232,7 @@ def resumed_step(clone: Path) -> int:
     return int(resumed.group(1))
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1800)
 def test_stopped_pipeline_resumes_from_the_stage_checkpoint(clone):
     """The pipeline stopped mid-pretrain, by Ctrl-C and by a lost machine (every process killed): the
     re-run, with the profile `make run` uses, finishes pretrain from its newest checkpoint."""
@@ -257,3 +257,23 @@ def test_stopped_pipeline_resumes_from_the_stage_checkpoint(clone):
     assert snakemake_ran(sh(run, clone)) == {"pretrain"}
     assert resumed_step(clone) >= 20
     assert json.loads((clone / "data/pretrain/meta.json").read_text())["step"] == 300
+
+    # Both tools at once on one stage: the run that trains holds its checkpoint folder, the other stops
+    # with a clear error; the first publishes, and afterwards both tools see the stage current.
+    set_pretrain(clone, steps=1500)
+    checkpoints = clone / "checkpoints" / "pretrain"
+    before = set(checkpoints.glob("*/step-*"))
+    dvc = subprocess.Popen("dvc repro pretrain", shell=True, cwd=clone, env=env_for(clone), start_new_session=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 600
+    while not set(checkpoints.glob("*/step-*")) - before:
+        assert dvc.poll() is None and time.time() < deadline, "dvc repro pretrain wrote no checkpoint"
+        time.sleep(0.2)
+    second = subprocess.run(run, shell=True, cwd=clone, env=env_for(clone), capture_output=True, text=True, timeout=600)
+    assert dvc.poll() is None, "the second tool ran while the first still trained"
+    assert second.returncode != 0 and "is in use by another run" in (clone / "logs/pretrain.log").read_text()
+    out, _ = dvc.communicate(timeout=900)
+    assert dvc.returncode == 0, out[-3000:]
+    assert json.loads((clone / "data/pretrain/meta.json").read_text())["step"] == 1500
+    assert "pretrain" not in sh("dvc status pretrain", clone)
+    assert "Nothing to be done" in sh(f"{run} -n", clone)
