@@ -17,7 +17,9 @@ import uuid
 import yaml
 
 from pipelines.commit import repair as repair_dvc_lock
-from pipelines.dag import fill, is_dir, load_table
+from pipelines.dag import check_params, fill, is_dir, load_table
+from snakemake.exceptions import WorkflowError
+from stages.common.config import ConfigError
 from pipelines.sync import align_mtimes
 
 # One id per invocation groups this run's stages in MLflow (jobs, local or on a cluster, inherit it).
@@ -35,6 +37,10 @@ CPU_ONLY = bool(config.get("cpu_only"))
 STAGES = load_table()
 if workflow.is_main_process and not config.get("dump_rules") and not os.environ.get("PIPELINE_NO_SYNC"):
     repair_dvc_lock()
+    try:
+        check_params("params.yaml")  # a bad key fails here, before Snakemake removes any output
+    except ConfigError as e:
+        raise WorkflowError(str(e)) from None
     # Outputs DVC restored or rebuilt count as current when dvc.lock says so, and outputs of stages DVC
     # sees as changed count as stale (see pipelines/sync.py).
     align_mtimes()

@@ -56,6 +56,19 @@ class Stage:
         return f"{LAUNCH} {self.name}{'@${item}' if self.foreach else ''} {self.args}".strip()
 
 
+def check_params(params: str | Path = "params.yaml") -> None:
+    """Check every stage's params section against the stage's Config, as the stage itself would. The
+    Snakefile calls it when it loads, so a bad key stops the invocation before any job starts (a job
+    that failed on it would have cost the stage its previous outputs, which Snakemake removes first).
+    Raises config.ConfigError naming the key."""
+    import importlib
+
+    from stages.common import config
+
+    for st in load_table().values():
+        config.load(importlib.import_module(f"stages.{st.name}").Config, st.name, params)
+
+
 def is_dir(path: str) -> bool:
     """Outputs without a file suffix are folders."""
     return Path(path).suffix == ""

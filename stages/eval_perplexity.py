@@ -187,6 +187,9 @@ def shard_stream(folder: Path, cfg: Config):
         raise config.UserError(f"eval_perplexity: {e.args[0]}; or pass --input FOLDER or --text FILE") from None
     except KeyError as e:
         raise config.UserError(f"eval_perplexity: {e.args[0]}; set eval_perplexity.split") from None
+    if not (folder / "tokenizer" / "tokenizer.json").is_file():
+        raise config.UserError(f"eval_perplexity: no tokenizer in {folder / 'tokenizer'} (the tokenize stage writes it "
+                               f"beside the shards); re-run tokenize, or pass --text FILE to use each model's own")
     tok = AutoTokenizer.from_pretrained(folder / "tokenizer")
     split = meta["splits"][cfg.split]
     return make_stream(ids, tok, (split["bytes"], split["words"]), cfg, meta["bos_token_id"]), tok

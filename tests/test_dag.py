@@ -90,3 +90,17 @@ def test_unknown_table_key_is_an_error(tmp_path):
     table.write_text("stages:\n  tokenize:\n    args: x\n    output: [y]\n")
     with pytest.raises(dag.TableError, match="stage tokenize: unknown key\\(s\\) \\['output'\\]"):
         dag.load_table(table)
+
+
+def test_a_bad_params_key_stops_snakemake_before_any_job(tmp_path):
+    """Snakemake removes a job's old outputs before it runs; a stage that then fails on its params would
+    leave the pipeline without them. The Snakefile checks every section when it loads instead."""
+    repo = copy_repo(tmp_path)
+    params = repo / "params.yaml"
+    params.write_text(params.read_text().replace("\n  steps: 300\n", "\n  steps: 300\n  stpes: 30\n", 1))
+    (repo / "data/pretrain").mkdir(parents=True)
+    (repo / "data/pretrain/meta.json").write_text("{}")
+    proc = subprocess.run(["snakemake", "--cores", "1", "data/pretrain"], cwd=repo, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "unknown key pretrain.stpes; valid keys are:" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert (repo / "data/pretrain/meta.json").read_text() == "{}", "the old output is untouched"

@@ -278,6 +278,7 @@ def broken(assets):
     tiny_llama(320).save_pretrained(root / "lost_shard", max_shard_size="100KB")
     (root / "lost_shard" / "model-00002-of-00005.safetensors").unlink()
     (root / "empty_adapter").mkdir()
+    shutil.copytree(assets / "shards", root / "no_tokenizer", ignore=shutil.ignore_patterns("tokenizer"))
     return root
 
 
@@ -293,6 +294,7 @@ def broken(assets):
     (["--models", "tiny=nowhere"], "--models tiny: nowhere not found"),
     (["--models", "tiny=model+broken/empty_adapter"], "broken/empty_adapter has no adapter_config.json"),
     (["split=val"], "no split 'val'"),
+    (["--input", "broken/no_tokenizer"], "eval_perplexity: no tokenizer in broken/no_tokenizer/tokenizer"),
     (["contexts=[64,32]"], "eval_perplexity.contexts must be a non-empty list of increasing positive ints"),
 ])
 def test_clear_errors_before_any_compute(in_root, broken, args, message):

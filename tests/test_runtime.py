@@ -132,3 +132,26 @@ def test_an_unreachable_tracking_server_is_one_clear_error(tmp_path):
                           timeout=120)  # a guard against the hang itself, not a speed check
     assert "error: MLflow tracking server http://127.0.0.1:9 is unreachable" in proc.stdout, proc.stdout + proc.stderr
     assert "unset it to track to ./mlflow.db" in proc.stdout
+
+
+def test_a_run_left_running_by_sigkill_is_marked_killed_on_the_next_start(tmp_path, monkeypatch):
+    import mlflow
+
+    from stages.common import track
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    code = ("import os, signal\nfrom stages.common import dist, track\n"
+            "with track.start_run('probe', {}, '', dist.Runtime(0, 1, 0, 1, None)):\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": uri}
+    env.pop("PIPELINE_RUN_ID", None)
+    assert subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env).returncode == -signal.SIGKILL
+    client = mlflow.MlflowClient(uri)
+    (killed,) = client.search_runs([client.get_experiment_by_name(track.EXPERIMENT).experiment_id])
+    assert killed.info.status == "RUNNING", "SIGKILL left it open"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("PIPELINE_RUN_ID", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with track.start_run("probe", {}, "", dist.Runtime(0, 1, 0, 1, None)):
+        assert client.get_run(killed.info.run_id).info.status == "KILLED"
+    assert client.get_run(killed.info.run_id).data.tags["stopped_by"].startswith("killed")

@@ -169,6 +169,30 @@ def server_problem(uri: str, timeout_s: float = 10.0) -> str | None:
     return None
 
 
+def _process_start(pid: int) -> str | None:
+    """The start time of a live process (clock ticks since boot), or None: with the pid, it names one process."""
+    try:
+        return _proc_stat(pid)[19]
+    except (OSError, IndexError):
+        return None
+
+
+def close_orphaned_runs(client, experiment_id: str, stage: str) -> list[str]:
+    """Mark KILLED the runs of `stage` on this host still RUNNING although the process that opened them
+    is gone (SIGKILL or a lost machine leave no chance to close them). Returns their ids."""
+    host = platform.node()
+    found = client.search_runs([experiment_id], filter_string=f"tags.stage = '{stage}' and tags.host = '{host}' "
+                                                              "and attributes.status = 'RUNNING'", max_results=100)
+    closed = []
+    for run in found:
+        pid, started = run.data.tags.get("pid"), run.data.tags.get("pid_start")
+        if pid and pid.isdigit() and _process_start(int(pid)) != started:
+            client.set_tag(run.info.run_id, "stopped_by", "killed: its process ended without closing the run")
+            client.set_terminated(run.info.run_id, status="KILLED")
+            closed.append(run.info.run_id)
+    return closed
+
+
 @contextlib.contextmanager
 def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags: dict | None = None):
     """Open the stage's MLflow run on rank 0 (yield a Tracker; a silent one on other ranks).
@@ -202,6 +226,7 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags
             experiment_id = client.get_experiment_by_name(EXPERIMENT).experiment_id
     else:
         experiment_id = exp.experiment_id
+    close_orphaned_runs(client, experiment_id, stage)
     group = pipeline_run_id()
     parent = None
     if group:
@@ -214,6 +239,8 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags
         "world_size": str(rt.world_size),
         "device": str(rt.device),
         "host": platform.node(),
+        # the process that owns the run: a later start finds it gone if it was killed (close_orphaned_runs)
+        "pid": str(os.getpid()), "pid_start": _process_start(os.getpid()) or "",
         # kernels, and so the last digits of results, depend on these
         **{k: ",".join(v) if isinstance(v, list) else v for k, v in dist.cpu_info().items()},
         **({"pipeline_run": group} if group else {}),
