@@ -258,10 +258,16 @@ def write_corpus(docs: dict[str, list[str]], cfg: Config, out: Path) -> dict:
             size += len(doc.encode("utf-8"))
         text = "".join(chunks)
         if not text.strip():
-            raise DataError(
-                f"the {split} split of {cfg.corpus} is empty; raise prepare_data.{'max_bytes' if cfg.max_bytes else split[:4] + '_fraction'}"
-                if split != "train" else f"the train split of {cfg.corpus} is empty; lower val_fraction/test_fraction"
-            )
+            whole = sum(len(d.encode("utf-8")) for part in docs.values() for d in part)
+            if any(d.strip() for d in docs[split]):  # max_bytes cut it away (it keeps whole lines)
+                fix = f"raise prepare_data.max_bytes (now {cfg.max_bytes}) above its first line"
+            elif whole < 1000:
+                fix = f"the corpus holds only {whole} bytes: use a larger corpus"
+            elif split == "train":
+                fix = "lower val_fraction/test_fraction"
+            else:
+                fix = f"raise prepare_data.{split[:4]}_fraction"
+            raise DataError(f"the {split} split of {cfg.corpus} is empty; {fix}")
         (out / f"{split}.txt").write_text(text, encoding="utf-8")
         np.save(out / f"{split}.docs.npy", np.asarray(offsets, dtype=np.int64))
         stats[split] = {"bytes": size, "documents": len(offsets), "lines": text.count("\n")}

@@ -71,17 +71,20 @@ def make_mirror(tmp_path: Path, content: bytes) -> Path:
     ("missing corpus", "'nowhere.txt' is neither a known corpus"),
     ("checksum mismatch", "checksum mismatch for .*input.txt: sha256 [0-9a-f]{64}, expected 86c4e6aa"),
     ("empty corpus", "corpus empty.txt is empty \\(0 bytes\\)"),
+    ("tiny corpus", "split of tiny.txt is empty; the corpus holds only 8 bytes: use a larger corpus"),
     ("non-UTF-8 text", "bad.txt is not valid UTF-8: byte 6"),
     ("missing mirror file", "wiki.train.raw: not in the mirror .* set PIPELINE_DATA_MIRROR to a directory holding "
                             "wikitext-2-raw/wiki.train.raw \\(sha256 6707892f"),
 ])
 def test_bad_data_fails_clearly_before_writing(workdir, monkeypatch, case, message):
     (workdir / "empty.txt").write_bytes(b"")
+    (workdir / "tiny.txt").write_bytes(b"to be.\nx")
     (workdir / "bad.txt").write_bytes(b"hello \xff world\n")
     overrides = {
         "missing corpus": ["corpus=nowhere.txt"],
         "checksum mismatch": [],
         "empty corpus": ["corpus=empty.txt"],
+        "tiny corpus": ["corpus=tiny.txt"],
         "non-UTF-8 text": ["corpus=bad.txt"],
         "missing mirror file": ["corpus=wikitext2"],
     }[case]
