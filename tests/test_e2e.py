@@ -183,8 +183,8 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     # The environment's snakemake started by its path, without the environment on PATH: the rules run its
     # python and dvc, not the system's.
     bare = {**env_for(clone), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([str(Path(sys.executable).parent / "snakemake"), "--cores", "2", "--forcerun", "context_study",
-                           "context_study"], cwd=clone, env=bare, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([str(Path(sys.executable).parent / "snakemake"), "context_study", "--cores", "2",
+                           "--forcerun", "context_study"], cwd=clone, env=bare, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and snakemake_ran(proc.stdout + proc.stderr) == {"context_study"}, proc.stderr[-3000:]
     assert "context_study:" not in sh("dvc status", clone), "the rule's dvc commit ran too"
 
