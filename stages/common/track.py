@@ -200,16 +200,16 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags
     Tags: stage, git commit, input content hash, pipeline invocation, world size, device; params
     are the stage's params section; the environment (`pip freeze`) is an artifact.
     """
-    # Every rank learns the answer, so all stop together instead of waiting on rank 0 in a collective.
-    problem = dist.broadcast_object(server_problem(tracking_uri()) if rt.is_main else None)
+    if not rt.is_main:
+        yield Tracker(None)
+        return
+    # Rank 0 only (some stages open their run on rank 0 alone); under torchrun its exit stops the others.
+    problem = server_problem(tracking_uri())
     if problem:
         from stages.common.config import UserError
 
         raise UserError(f"MLflow tracking server {tracking_uri()} is unreachable ({problem}); start it, point "
                         f"MLFLOW_TRACKING_URI at a running one, or unset it to track to ./mlflow.db")
-    if not rt.is_main:
-        yield Tracker(None)
-        return
     import mlflow
     from mlflow.tracking import MlflowClient
 
