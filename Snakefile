@@ -9,6 +9,7 @@
 # After each stage, `dvc commit` records its outputs in dvc.lock (pipelines/commit.py: one commit at a
 # time, a damaged dvc.lock restored from its last good copy), so `dvc status` agrees with Snakemake about
 # what is current.
+import importlib.util
 import json
 import os
 import sys
@@ -26,8 +27,10 @@ from pipelines.sync import align_mtimes
 os.environ.setdefault("PIPELINE_RUN_ID", "smk-" + uuid.uuid4().hex[:12])
 os.environ["PIPELINE_SNAKEMAKE"] = "1"  # tells pipelines.launch that Snakemake keeps its own records
 # The rules' `python` and `dvc` are those of the environment Snakemake runs in, also when it is started
-# as .venv/bin/snakemake without activating the environment (jobs, local or sbatch, inherit PATH).
-os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+# as .venv/bin/snakemake without activating the environment (jobs, local or sbatch, inherit PATH); not
+# when Snakemake lives in an environment of its own (pipx, conda base) without the project's packages.
+if importlib.util.find_spec("torch") is not None:
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 # --config mlflow_tracking_uri=...: the stages log there (a tracking server, for cluster runs).
 if config.get("mlflow_tracking_uri"):
     os.environ["MLFLOW_TRACKING_URI"] = str(config["mlflow_tracking_uri"])

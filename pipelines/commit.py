@@ -7,8 +7,9 @@ DVC rewrites dvc.lock in place, so a kill in the middle of a commit can leave it
 from then on every `dvc` command fails on it, and each rule's commit with it. Here every commit runs
 under one lock file (DVC also locks the repository; parallel rules wait their turn instead of
 failing), between two checks of dvc.lock:
-  - before: a dvc.lock that does not parse is restored from `.snakemake/dvc.lock.good`, with a warning
-    (the stage whose commit was cut short then shows as changed, and re-runs);
+  - before: a damaged dvc.lock (see `lock_problem`: unparsable, not DVC's format, a record cut short,
+    stages of the good copy missing) is restored from `.snakemake/dvc.lock.good`, with a warning (the
+    stage whose commit was cut short then shows as changed, and re-runs);
   - after: the committed dvc.lock is kept as the new good copy.
 A failed commit prints DVC's own error and exits non-zero: the rule fails in the open, never silently.
 The Snakefile calls `repair()` when it loads, so a damaged dvc.lock never reaches `dvc status` either.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import re
 import shutil
 import subprocess
 import sys
@@ -30,21 +32,56 @@ GOOD_COPY = Path(".snakemake/dvc.lock.good")
 COMMIT_LOCK = Path(".snakemake/dvc-commit.lock")
 
 
+HASH = re.compile(r"[0-9a-f]{32}(\.dir)?")
+
+
+def _entry_problem(entry) -> bool:
+    """A dep/out record without its path, content hash or size (a record cut short)."""
+    return not (isinstance(entry, dict) and isinstance(entry.get("path"), str)
+                and HASH.fullmatch(str(entry.get("md5", ""))) and isinstance(entry.get("size"), int))
+
+
 def lock_problem(path: Path = LOCK_FILE) -> str | None:
-    """Why dvc.lock cannot be used (empty, cut short, not DVC's format), or None; a missing file is fine
-    (nothing committed yet)."""
+    """Why dvc.lock cannot be used, or None; a missing file is fine (nothing committed yet). DVC writes
+    it in place, in its order (cmd, deps, params, outs per stage), so a file cut short mostly still parses
+    as YAML: besides DVC's own schema, every stage must end with its outputs, and every dep and output
+    record must be whole."""
     if not path.exists():
         return None
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
         return f"it does not parse ({str(e).splitlines()[0]})"
-    if not isinstance(data, dict) or not isinstance(data.get("stages"), dict):
-        return "it holds no stages" if not data else "it is not in DVC's lock format"
-    cut = [name for name, entry in data["stages"].items() if not isinstance(entry, dict) or "cmd" not in entry]
-    if cut:
-        return f"the entry of stage {cut[0]} is incomplete (cut short?)"
+    if not data:
+        return "it holds no stages"
+    try:
+        from dvc.schema import COMPILED_LOCKFILE_SCHEMA
+
+        COMPILED_LOCKFILE_SCHEMA(data)
+    except Exception as e:  # noqa: BLE001  voluptuous' errors, whatever their class
+        return f"it is not in DVC's lock format ({str(e).splitlines()[0][:200]})"
+    if not isinstance(data.get("stages"), dict) or not data["stages"]:
+        return "it holds no stages"
+    for name, entry in data["stages"].items():
+        if not isinstance(entry, dict):
+            return f"the entry of stage {name} is incomplete (cut short?)"
+        records = [*(entry.get("deps") or []), *(entry.get("outs") or [])]
+        if not entry.get("outs") or any(_entry_problem(r) for r in records):
+            return f"the entry of stage {name} is incomplete (cut short?)"
     return None
+
+
+def lost_stages(path: Path = LOCK_FILE, good: Path = GOOD_COPY) -> list[str]:
+    """Stages of the pipeline recorded in the good copy but missing from dvc.lock: what a file cut
+    between two stages loses."""
+    if not (path.exists() and good.exists()):
+        return []
+    from pipelines.dag import load_table
+
+    names = {name for st in load_table().values() for name, _ in st.instances()}
+    ours = set((yaml.safe_load(path.read_text()) or {}).get("stages") or {})
+    theirs = set((yaml.safe_load(good.read_text()) or {}).get("stages") or {})
+    return sorted((theirs - ours) & names)
 
 
 def _copy(src: Path, dest: Path) -> None:
@@ -56,12 +93,23 @@ def _copy(src: Path, dest: Path) -> None:
 
 
 def repair() -> str:
-    """Keep the good copy current, or restore a damaged dvc.lock from it. Returns what was done."""
+    """Restore a damaged dvc.lock from the good copy, or refresh that copy from a whole one. Returns what
+    was done. Takes the commit lock: never reads a dvc.lock that a rule's commit is writing."""
+    COMMIT_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(COMMIT_LOCK, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        return _repair()
+
+
+def _repair() -> str:
     problem = lock_problem()
     if problem is None:
-        if LOCK_FILE.exists():
-            _copy(LOCK_FILE, GOOD_COPY)
-        return "ok"
+        lost = lost_stages()
+        if not lost:
+            if LOCK_FILE.exists():
+                _copy(LOCK_FILE, GOOD_COPY)
+            return "ok"
+        problem = f"stages {', '.join(lost[:3])} of the last good copy are missing (cut short?)"
     if GOOD_COPY.exists() and lock_problem(GOOD_COPY) is None:
         _copy(LOCK_FILE, LOCK_FILE.with_name("dvc.lock.damaged"))
         _copy(GOOD_COPY, LOCK_FILE)
@@ -77,7 +125,7 @@ def commit(stage: str) -> int:
     COMMIT_LOCK.parent.mkdir(parents=True, exist_ok=True)
     with open(COMMIT_LOCK, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        repair()
+        _repair()
         proc = subprocess.run([sys.executable, "-m", "dvc", "commit", "--force", "--quiet", stage],
                               capture_output=True, text=True)
         if proc.returncode != 0:

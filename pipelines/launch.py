@@ -105,7 +105,8 @@ def main() -> None:
     # killed with it, even by SIGKILL, it gets SIGTERM and its stage saves a checkpoint.
     from stages.common.dist import die_with_parent
 
-    child = subprocess.Popen(cmd, process_group=0, preexec_fn=die_with_parent,
+    # No terminal input: a background process group reading it would be stopped (SIGTTIN).
+    child = subprocess.Popen(cmd, process_group=0, preexec_fn=die_with_parent, stdin=subprocess.DEVNULL,
                              env={**os.environ, "PIPELINE_LAUNCHED": "1"})
     warned, forwarded = [], []
 
@@ -120,7 +121,9 @@ def main() -> None:
                   f"(SIGKILL pid {child.pid} to abort)", file=sys.stderr, flush=True)
             return
         forwarded.append(signum)
-        child.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+        # srun needs two SIGINTs within a second to signal its tasks, and one SIGTERM.
+        keep_int = signum == signal.SIGINT and cmd[0] != "srun"
+        child.send_signal(signal.SIGINT if keep_int else signal.SIGTERM)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, forward)

@@ -5,7 +5,7 @@ upstream folder is then newer than the downstream outputs made from it, and Snak
 stages whose inputs did not change. DVC knows better: it compares content hashes with dvc.lock.
 The Snakefile calls `align_mtimes()` when it loads; for each stage that `dvc status` reports as
 current, in dependency order, outputs older than an input get that input's time (plus 1 ms), so
-Snakemake sees them as up to date too. Stages DVC reports as changed (code, params or inputs differ
+Snakemake sees them as up to date too. Stages DVC would re-run (code, params, inputs or outputs differ
 from dvc.lock) get outputs older than their newest input, so Snakemake re-runs them even when it has
 no records of its own that would show the change (after `dvc repro` or `dvc checkout`, which leave
 none): the two tools agree through DVC's content hashes, never through Snakemake's metadata alone.
@@ -37,8 +37,9 @@ def set_mtime(path: Path, t: float) -> None:
         os.utime(stamp, (t, t))
 
 
-def dvc_changed(root: Path) -> set[str] | None:
-    """Names of the stages `dvc status` reports as changed; None when DVC cannot tell."""
+def dvc_status(root: Path) -> dict | None:
+    """`dvc status --json`: stage name -> what changed; None when DVC cannot tell (no repository, a
+    lock held by a running `dvc repro`, a damaged dvc.lock)."""
     proc = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=root, capture_output=True, text=True)
     if proc.returncode != 0:
         return None
@@ -46,22 +47,39 @@ def dvc_changed(root: Path) -> set[str] | None:
         status = json.loads(proc.stdout or "{}")
     except json.JSONDecodeError:
         return None
-    return {name.rsplit(":", 1)[-1] for name in status}
+    return {name.rsplit(":", 1)[-1]: items for name, items in status.items()}
+
+
+def is_stale(items: list) -> bool:
+    """Whether DVC would re-run a stage for these status entries: its command, a dependency (a file or
+    params) or an output's content changed. Not for an output only missing from the cache (`dvc gc`), nor
+    for dependencies DVC merely has no record of ("new": no dvc.lock entry to compare with)."""
+    for item in items:
+        if item == "changed command":
+            return True
+        if isinstance(item, dict):
+            if any(v != "new" for v in (item.get("changed deps") or {}).values()):
+                return True
+            if "modified" in (item.get("changed outs") or {}).values():
+                return True
+    return False
 
 
 def align_mtimes(root: Path = Path(".")) -> list[str]:
     """Age the outputs of DVC-changed stages below their inputs, and bump outputs of DVC-current stages
     that are older than their inputs; returns the outputs whose times were set."""
-    changed = dvc_changed(root)
-    if changed is None:
+    status = dvc_status(root)
+    if status is None:
         return []
+    changed = set(status)
+    stale = {name for name, items in status.items() if is_stale(items)}
     instances = [(st, name, item) for st in load_table(root / "pipelines/stages.yaml").values()
                  for name, item in st.instances()]
     bumped = []
     for st, name, item in instances:
         deps = [root / fill(d, item) for d in st.deps]
         outs = [root / fill(o, item) for o in st.outs]
-        if name in changed and deps and all(p.exists() for p in deps + outs):
+        if name in stale and deps and all(p.exists() for p in deps + outs):
             oldest = max(snakemake_mtime(p) for p in deps) - 1.0
             for out in outs:
                 if snakemake_mtime(out) > oldest:

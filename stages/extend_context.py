@@ -206,9 +206,15 @@ def finetune(name: str, model_config, base: Path, data: Path, cfg: Config, lcfg:
              rt: dist.Runtime, tracker, stop: dist.StopFlag) -> dict | None:
     """Fine-tune one variant at s x L; its final weights end in <checkpoints>/final/ (HF format).
     Returns the run's summary, or None when SIGTERM stopped it (a checkpoint holds the progress)."""
+    folder = ckpt.checkpoint_dir(STAGE, {**config.as_dict(cfg), "variant": name}, inputs_hash)
+    with ckpt.exclusive(folder, rt):  # no second run trains this variant into the same folder meanwhile
+        return _finetune(name, model_config, base, data, cfg, lcfg, folder, rt, tracker, stop)
+
+
+def _finetune(name: str, model_config, base: Path, data: Path, cfg: Config, lcfg: loop.LoopConfig, folder: Path,
+              rt: dist.Runtime, tracker, stop: dist.StopFlag) -> dict | None:
     from transformers import AutoModelForCausalLM
 
-    folder = ckpt.checkpoint_dir(STAGE, {**config.as_dict(cfg), "variant": name}, inputs_hash)
     final = folder / "final"
     if final.is_dir():
         dist.print0(f"extend_context: {name} already fine-tuned in {final}", rt=rt)

@@ -347,7 +347,9 @@ def run(cfg: Config, records: list[dict], records_path: Path, output: Path, rt: 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     dist.print0(f"finetune_qlora: {len(train_src)} train / {len(eval_src)} eval records ({dropped} too long), "
                 f"{trainable / 1e6:.3f}M trainable parameters, base {cfg.quantization}", rt=rt)
-    with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"checkpoints": str(ckpt_folder)}) as tracker:
+    # The checkpoint folder is this run's until it has published and discarded it (ckpt.exclusive).
+    with ckpt.exclusive(ckpt_folder, rt), \
+            track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"checkpoints": str(ckpt_folder)}) as tracker:
         result = loop.train(model, train_src, eval_src, lcfg, rt, ckpt_folder, tracker, stop)
         if result["stopped"]:
             tracker.set_tags({"stopped_by": stop.signal or "SIGTERM", "resume_from": str(ckpt_folder)})

@@ -189,7 +189,9 @@ def run(cfg: Config, lcfg: loop.LoopConfig, inp: Path, output: Path, meta_in: di
     ckpt_folder = ckpt.checkpoint_dir(STAGE, config.as_dict(cfg), inputs_hash)
     train_tokens = shards.load_split(inp, "train")
     val_tokens = shards.load_split(inp, "val")
-    with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"checkpoints": str(ckpt_folder)}) as tracker:
+    # The checkpoint folder is this run's until it has published and discarded it (ckpt.exclusive).
+    with ckpt.exclusive(ckpt_folder, rt), \
+            track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"checkpoints": str(ckpt_folder)}) as tracker:
         result = loop.train(build_model(cfg, meta_in), train_tokens, val_tokens, lcfg, rt, ckpt_folder, tracker, stop)
         if result["stopped"]:
             tracker.set_tags({"stopped_by": stop.signal or "SIGTERM", "resume_from": str(ckpt_folder)})

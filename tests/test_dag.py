@@ -104,3 +104,13 @@ def test_a_bad_params_key_stops_snakemake_before_any_job(tmp_path):
     assert proc.returncode != 0
     assert "unknown key pretrain.stpes; valid keys are:" in proc.stdout + proc.stderr, proc.stderr[-2000:]
     assert (repo / "data/pretrain/meta.json").read_text() == "{}", "the old output is untouched"
+
+
+def test_only_what_dvc_would_rerun_is_made_stale_for_snakemake():
+    from pipelines.sync import is_stale
+
+    assert is_stale([{"changed deps": {"params.yaml": {"modified": ["context_study.unscaled_growth"]}}}])
+    assert is_stale([{"changed deps": {"stages/pretrain.py": "modified"}}]) and is_stale(["changed command"])
+    assert is_stale([{"changed outs": {"data/pretrain": "modified"}}])
+    assert not is_stale([{"changed outs": {"data/pretrain": "not in cache"}}]), "after dvc gc: still current"
+    assert not is_stale([{"changed deps": {"stages/pretrain.py": "new"}}]), "no dvc.lock entry to compare with"

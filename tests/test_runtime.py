@@ -117,6 +117,11 @@ def test_manifest_tells_intact_checkpoints_from_damaged_ones(tmp_path, capsys):
     assert f"not resuming from checkpoint {tmp_path / 'step-4'}" in capsys.readouterr().out
     (tmp_path / "step-2/manifest.json").write_text("{")
     assert ckpt.newest_intact_checkpoint(tmp_path) is None
+    # Written before manifests existed: accepted when DCP's metadata is there, with a warning.
+    (tmp_path / "step-6/state").mkdir(parents=True)
+    (tmp_path / "step-6/state/.metadata").write_bytes(b"m")
+    assert ckpt.newest_intact_checkpoint(tmp_path).name == "step-6"
+    assert "has no manifest.json (an older version wrote it)" in capsys.readouterr().out
 
 
 def test_an_unreachable_tracking_server_is_one_clear_error(tmp_path):

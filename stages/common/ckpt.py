@@ -127,28 +127,51 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
 
 
 MANIFEST = "manifest.json"
+# Files up to this size are hashed whole; larger ones (model and optimizer shards) by their first and
+# last MiB, besides their size, so a checkpoint saved on a stop signal is not held up reading back
+# gigabytes (torchrun and SLURM kill a process about 30 s after the signal).
+WHOLE_HASH_BYTES = 256 * 2**20
+EDGE_BYTES = 2**20
+
+
+def file_digest(path: Path) -> dict:
+    size = path.stat().st_size
+    if size <= WHOLE_HASH_BYTES:
+        return {"bytes": size, "sha256": sha256_file(path)}
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        h.update(fh.read(EDGE_BYTES))
+        fh.seek(size - EDGE_BYTES)
+        h.update(fh.read(EDGE_BYTES))
+    return {"bytes": size, "sha256_ends": h.hexdigest()}
 
 
 def write_manifest(folder: str | Path) -> None:
-    """Record the size and sha256 of every file in a checkpoint folder (written last, once every rank's
-    files are complete), so a later run can tell an intact checkpoint from a damaged one."""
+    """Record the size and sha256 (see WHOLE_HASH_BYTES) of every file in a checkpoint folder, written
+    last, once every rank's files are complete, so a later run can tell an intact checkpoint from a
+    damaged one."""
     folder = Path(folder)
-    files = {str(f.relative_to(folder)): {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+    files = {str(f.relative_to(folder)): file_digest(f)
              for f in sorted(folder.rglob("*")) if f.is_file() and f.name != MANIFEST}
     write_json(folder / MANIFEST, files)
 
 
 def manifest_problem(folder: str | Path) -> str | None:
     """Why a checkpoint folder does not match its manifest (missing, truncated, changed or extra
-    files), or None when it matches."""
+    files), or None when it matches. A checkpoint from before manifests (none, but DCP's metadata is
+    there) passes with a warning: it cannot be verified."""
     folder = Path(folder)
     try:
         files = json.loads((folder / MANIFEST).read_text())
     except FileNotFoundError:
+        if (folder / "state" / ".metadata").is_file():
+            print(f"warning: checkpoint {folder} has no {MANIFEST} (an older version wrote it); its files are "
+                  f"not verified", flush=True)
+            return None
         return f"it has no {MANIFEST}"
     except (OSError, ValueError):
         return f"its {MANIFEST} is unreadable"
-    if not isinstance(files, dict):
+    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
         return f"its {MANIFEST} is unreadable"
     present = {str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file() and f.name != MANIFEST}
     if present != set(files):
@@ -158,7 +181,7 @@ def manifest_problem(folder: str | Path) -> str | None:
         size = (folder / rel).stat().st_size
         if size != want.get("bytes"):
             return f"{rel} holds {size:,} bytes, its {MANIFEST} says {want.get('bytes')}"
-        if sha256_file(folder / rel) != want.get("sha256"):
+        if file_digest(folder / rel) != want:
             return f"{rel} differs from its {MANIFEST} (sha256)"
     return None
 
@@ -183,11 +206,11 @@ def exclusive(folder: str | Path, rt: dist.Runtime):
     flight. The lock is the kernel's (flock): it goes with the process, even one killed by SIGKILL."""
     folder = Path(folder)
     path = folder.with_name(folder.name + ".lock")
-    handle, holder = None, None
+    handle, problem = None, None
     if rt.is_main:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path, "a+")
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(path, "a+")
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             handle.seek(0)
             handle.truncate()
@@ -196,13 +219,19 @@ def exclusive(folder: str | Path, rt: dist.Runtime):
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "unknown"
+            problem = (f"checkpoint folder {folder} is in use by another run (pid, host: {holder}); wait for it to "
+                       f"finish or stop it, then re-run (it resumes from the checkpoints)")
             handle.close()
-    holder = dist.broadcast_object(holder)
-    if holder:
+        except OSError as e:  # e.g. a network filesystem without locks
+            problem = (f"cannot lock checkpoint folder {folder} ({e}); put PIPELINE_CHECKPOINTS on a filesystem "
+                       f"with flock support (a local disk, NFS with lockd)")
+            if handle is not None:
+                handle.close()
+    problem = dist.broadcast_object(problem)  # every rank stops together
+    if problem:
         from stages.common.config import UserError
 
-        raise UserError(f"checkpoint folder {folder} is in use by another run (pid, host: {holder}); wait for it "
-                        f"to finish or stop it, then re-run (it resumes from the checkpoints)")
+        raise UserError(problem)
     try:
         yield
     finally:
@@ -211,7 +240,6 @@ def exclusive(folder: str | Path, rt: dist.Runtime):
 
 
 def discard(folder: str | Path) -> None:
-    """Remove a finished run's checkpoint folder and its lock file."""
-    folder = Path(folder)
+    """Remove a finished run's checkpoint folder. Its lock file stays: removing it while another process
+    waits on it would let a third run lock a new file of the same name beside the second."""
     shutil.rmtree(folder, ignore_errors=True)
-    folder.with_name(folder.name + ".lock").unlink(missing_ok=True)

@@ -285,19 +285,12 @@ def evaluate(model, windows, cfg: LoopConfig, rt: dist.Runtime) -> float:
 
 def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
           ckpt_folder: Path, tracker, stop: dist.StopFlag) -> dict:
-    """`_train` while this run holds `ckpt_folder` (a second run of the same stage, params and inputs
-    stops with a clear error)."""
-    with ckpt.exclusive(ckpt_folder, rt):
-        return _train(model, train_data, val_data, cfg, rt, ckpt_folder, tracker, stop)
-
-
-def _train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
-           ckpt_folder: Path, tracker, stop: dist.StopFlag) -> dict:
     """Train `model` (a transformers causal LM, or a PEFT model around one) for cfg.steps optimizer
     steps, resuming from the newest checkpoint in `ckpt_folder`. The data are token streams (np.ndarray,
     cut into Windows) or batch sources with `batch(step, index, size) -> (inputs, targets)`. Returns
     history (per-step loss/lr, validation losses), the wrapped model, and whether SIGTERM stopped it
-    early (a checkpoint was written)."""
+    early (a checkpoint was written). Stages hold `ckpt.exclusive(ckpt_folder)` around it and their
+    publishing, so no second run resumes from or writes into the same folder meanwhile."""
     accum = grad_accum_steps(cfg, rt.world_size)
     fpt = flops_per_token(model, cfg.context_length)
     model = wrap(model, cfg, rt)

@@ -177,11 +177,23 @@ def _process_start(pid: int) -> str | None:
         return None
 
 
+def pid_space() -> str:
+    """Where a pid means one process: this boot of this machine and this pid namespace (containers on
+    one host share its name but not its pids)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
 def close_orphaned_runs(client, experiment_id: str, stage: str) -> list[str]:
-    """Mark KILLED the runs of `stage` on this host still RUNNING although the process that opened them
-    is gone (SIGKILL or a lost machine leave no chance to close them). Returns their ids."""
-    host = platform.node()
-    found = client.search_runs([experiment_id], filter_string=f"tags.stage = '{stage}' and tags.host = '{host}' "
+    """Mark KILLED the runs of `stage` still RUNNING although the process that opened them, in this pid
+    space, is gone (SIGKILL or a lost machine leave no chance to close them). Returns their ids."""
+    space = pid_space()
+    if not space:
+        return []
+    found = client.search_runs([experiment_id], filter_string=f"tags.stage = '{stage}' and tags.pid_space = '{space}' "
                                                               "and attributes.status = 'RUNNING'", max_results=100)
     closed = []
     for run in found:
@@ -240,7 +252,7 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags
         "device": str(rt.device),
         "host": platform.node(),
         # the process that owns the run: a later start finds it gone if it was killed (close_orphaned_runs)
-        "pid": str(os.getpid()), "pid_start": _process_start(os.getpid()) or "",
+        "pid": str(os.getpid()), "pid_start": _process_start(os.getpid()) or "", "pid_space": pid_space(),
         # kernels, and so the last digits of results, depend on these
         **{k: ",".join(v) if isinstance(v, list) else v for k, v in dist.cpu_info().items()},
         **({"pipeline_run": group} if group else {}),
