@@ -18,6 +18,7 @@ The Snakefile calls `repair()` when it loads, so a damaged dvc.lock never reache
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import re
 import shutil
@@ -92,12 +93,19 @@ def _copy(src: Path, dest: Path) -> None:
     tmp.replace(dest)
 
 
-def repair() -> str:
-    """Restore a damaged dvc.lock from the good copy, or refresh that copy from a whole one. Returns what
-    was done. Takes the commit lock: never reads a dvc.lock that a rule's commit is writing."""
+@contextlib.contextmanager
+def commit_lock():
+    """One commit (or repair) of dvc.lock at a time, across processes."""
     COMMIT_LOCK.parent.mkdir(parents=True, exist_ok=True)
     with open(COMMIT_LOCK, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+
+
+def repair() -> str:
+    """Restore a damaged dvc.lock from the good copy, or refresh that copy from a whole one. Returns what
+    was done. Takes the commit lock: never reads a dvc.lock that a rule's commit is writing."""
+    with commit_lock():
         return _repair()
 
 
@@ -122,9 +130,7 @@ def _repair() -> str:
 
 
 def commit(stage: str) -> int:
-    COMMIT_LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with open(COMMIT_LOCK, "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
+    with commit_lock():
         _repair()
         proc = subprocess.run([sys.executable, "-m", "dvc", "commit", "--force", "--quiet", stage],
                               capture_output=True, text=True)

@@ -73,12 +73,11 @@ def align_mtimes(root: Path = Path(".")) -> list[str]:
         return []
     changed = set(status)
     stale = {name for name, items in status.items() if is_stale(items)}
-    instances = [(st, name, item) for st in load_table(root / "pipelines/stages.yaml").values()
-                 for name, item in st.instances()]
+    # (DVC stage name, its input paths, its output paths) for every stage instance of the table
+    instances = [(name, [root / fill(d, item) for d in st.deps], [root / fill(o, item) for o in st.outs])
+                 for st in load_table(root / "pipelines/stages.yaml").values() for name, item in st.instances()]
     bumped = []
-    for st, name, item in instances:
-        deps = [root / fill(d, item) for d in st.deps]
-        outs = [root / fill(o, item) for o in st.outs]
+    for name, deps, outs in instances:
         if name in stale and deps and all(p.exists() for p in deps + outs):
             oldest = max(snakemake_mtime(p) for p in deps) - 1.0
             for out in outs:
@@ -88,9 +87,7 @@ def align_mtimes(root: Path = Path(".")) -> list[str]:
     # Repeat until nothing moves, so a bump upstream reaches every stage below it.
     for _ in range(len(instances)):
         moved = False
-        for st, name, item in instances:
-            deps = [root / fill(d, item) for d in st.deps]
-            outs = [root / fill(o, item) for o in st.outs]
+        for name, deps, outs in instances:
             if name in changed or not deps or not all(p.exists() for p in deps + outs):
                 continue
             newest_input = max(snakemake_mtime(p) for p in deps)

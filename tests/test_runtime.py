@@ -50,11 +50,11 @@ def test_atomic_dir_replaces_on_success_and_leaves_nothing_on_error(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-def test_latest_checkpoint_ignores_half_written(tmp_path):
-    assert ckpt.latest_checkpoint(tmp_path) is None
+def test_checkpoints_ignore_half_written(tmp_path):
+    assert ckpt.checkpoints(tmp_path) == []
     for name in ("step-5", "step-20", ".step-30.tmp-abc", "step-x"):
         (tmp_path / name).mkdir()
-    assert ckpt.latest_checkpoint(tmp_path).name == "step-20"
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-20", "step-5"]
 
 
 SCRIPT = textwrap.dedent("""

@@ -121,11 +121,6 @@ def checkpoints(folder: str | Path) -> list[Path]:
     return sorted(steps, key=lambda p: int(p.name[5:]), reverse=True)
 
 
-def latest_checkpoint(folder: str | Path) -> Path | None:
-    """The newest complete `step-<n>` folder under `folder`, or None."""
-    return next(iter(checkpoints(folder)), None)
-
-
 MANIFEST = "manifest.json"
 # Files up to this size are hashed whole; larger ones (model and optimizer shards) by their first and
 # last MiB, besides their size, so a checkpoint saved on a stop signal is not held up reading back

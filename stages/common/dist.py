@@ -8,6 +8,7 @@ collective below is a no-op, so a stage runs the same code either way.
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import os
 import random
@@ -114,33 +115,33 @@ def compute_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
     return torch.float32
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+@functools.cache
+def _cpuinfo() -> tuple[str, frozenset]:
+    """(model name, feature flags) of the first CPU in /proc/cpuinfo; ("unknown", {}) elsewhere."""
+    model, flags = "unknown", frozenset()
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = frozenset(value.split())
+                    break
     except OSError:
         pass
-    return set()
+    return model, flags
 
 
 def cpu_has_native_bf16() -> bool:
     """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16)."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    return bool({"avx512_bf16", "amx_bf16"} & _cpuinfo()[1])
 
 
 def cpu_info() -> dict:
     """The CPU a run's kernels were chosen for: torch's vector capability (DEFAULT, AVX2, AVX512, ...),
     the model name and the flags in KERNEL_FLAGS it has. Recorded with results that depend on kernels."""
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as fh:
-            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
-    except OSError:
-        pass
-    flags = cpu_flags()
+    model, flags = _cpuinfo()
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_model": model,
             "cpu_flags": [f for f in KERNEL_FLAGS if f in flags]}
 

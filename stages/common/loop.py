@@ -305,8 +305,9 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
         extra = load_checkpoint(latest, model, optimizer)
         start, history = extra["step"], extra["history"]
         dist.print0(f"resuming from {latest} (step {start})", rt=rt)
-    dist.warn_if_emulated_bf16(rt.device, cfg.compute_dtype(rt.device), rt)
-    amp = torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=cfg.compute_dtype(rt.device) == torch.bfloat16)
+    dtype = cfg.compute_dtype(rt.device)
+    dist.warn_if_emulated_bf16(rt.device, dtype, rt)
+    amp = torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     tokens_per_step = cfg.batch_size * cfg.context_length
     stopped = False
     bar = dist.progress(total=cfg.steps, initial=start, desc="train", rt=rt)
@@ -366,7 +367,7 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
     timed = step_times[1:] or step_times
     tps = tokens_per_step * len(timed) / max(sum(timed), 1e-9) if timed else 0.0
     return {"history": history, "model": model, "stopped": stopped, "flops_per_token": fpt,
-            "compute_dtype": str(cfg.compute_dtype(rt.device)),
+            "compute_dtype": str(dtype),
             "tokens_per_s": tps, "mfu": fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12)}
 
 
