@@ -32,7 +32,10 @@ venv: $(STAMP) $(PLOTS_TEMPLATE)
 run: $(STAMP) $(PLOTS_TEMPLATE)
 	snakemake --profile pipelines/profiles/local --cores all
 
+# Lint and format check first (seconds), then the tests.
 test: $(STAMP) $(PLOTS_TEMPLATE)
+	ruff check .
+	ruff format --check .
 	python -m pytest -q tests --ignore=tests/system
 
 # As root: a single-node SLURM running the pipeline, the stage containers built with podman, the MLflow

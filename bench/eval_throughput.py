@@ -1,6 +1,7 @@
 """Perplexity-evaluation throughput: the eval_perplexity stage vs a one-window-at-a-time loop.
 
-    python bench/eval_throughput.py [--tokens 16384] [--context 256] [--stride 256] [--batch-size 16] [--repeats 3] [--no-bf16]
+    python bench/eval_throughput.py [--tokens 16384] [--context 256] [--stride 256] [--batch-size 16]
+        [--repeats 3] [--no-bf16]
 
 Builds a 5.3M-parameter Llama (hidden 256, 4 layers, 8 heads, ffn 688, random weights) and the
 tokenize stage's byte-level BPE (vocab 4096) trained on TinyShakespeare (from PIPELINE_DATA_MIRROR or
@@ -61,7 +62,7 @@ def baseline(model, ids: torch.Tensor, context: int, stride: int) -> tuple[float
     for begin in range(0, n - 1, stride):
         end = min(begin + context, n - 1)
         input_ids = ids[begin:end][None]
-        labels = ids[begin + 1:end + 1][None].clone()  # the next token of each position
+        labels = ids[begin + 1 : end + 1][None].clone()  # the next token of each position
         new = end - max(scored_to, begin)  # targets no earlier window scored
         labels[:, :-new] = -100
         loss = model(input_ids, labels=labels, shift_labels=labels, use_cache=False).loss
@@ -112,9 +113,19 @@ def main() -> None:
         tokenize.save_hf_tokenizer(tokenize.train_tokenizer(tmp / "corpus", cfg, show_progress=False), tmp / "model")
         tok = AutoTokenizer.from_pretrained(tmp / "model")
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=len(tok), hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-            max_position_embeddings=args.context, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=len(tok),
+                hidden_size=256,
+                intermediate_size=688,
+                num_hidden_layers=4,
+                num_attention_heads=8,
+                max_position_embeddings=args.context,
+                tie_word_embeddings=False,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
         model.save_pretrained(tmp / "model")
         params = sum(p.numel() for p in model.parameters())
 
@@ -123,13 +134,36 @@ def main() -> None:
         shutil.copy(ROOT / "params.yaml", tmp / "params.yaml")
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp / 'mlflow.db'}"
         stage_args = [
-            "--params", str(tmp / "params.yaml"), "--models", f"bench={tmp / 'model'}", "--text", str(tmp / "text.txt"),
-            "--output", str(tmp / "out"), f"contexts=[{args.context}]", f"stride={args.stride}",
-            f"batch_size={args.batch_size}", "max_tokens=0", "prepend_bos=true"]
+            "--params",
+            str(tmp / "params.yaml"),
+            "--models",
+            f"bench={tmp / 'model'}",
+            "--text",
+            str(tmp / "text.txt"),
+            "--output",
+            str(tmp / "out"),
+            f"contexts=[{args.context}]",
+            f"stride={args.stride}",
+            f"batch_size={args.batch_size}",
+            "max_tokens=0",
+            "prepend_bos=true",
+        ]
         # The same token stream the stage evaluates: bos, then the text's ids.
-        stream = eval_perplexity.text_stream(tmp / "text.txt", tok, eval_perplexity.Config(
-            contexts=(args.context,), stride=args.stride, batch_size=1, split="test", extrapolate=False,
-            position_buckets=(), max_tokens=0, prepend_bos=True, precision="auto")).ids
+        stream = eval_perplexity.text_stream(
+            tmp / "text.txt",
+            tok,
+            eval_perplexity.Config(
+                contexts=(args.context,),
+                stride=args.stride,
+                batch_size=1,
+                split="test",
+                extrapolate=False,
+                position_buckets=(),
+                max_tokens=0,
+                prepend_bos=True,
+                precision="auto",
+            ),
+        ).ids
         device = dist.init().device
         model = AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=dist.compute_dtype(device)).to(device).eval()
         base_tps, stage, rate = 0.0, None, 0.0
@@ -153,29 +187,42 @@ def main() -> None:
     base_ppl = math.exp(nll_sum / n_tokens)
     rel = abs(stage["perplexity"] - base_ppl) / base_ppl
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # bf16 logits round differently per batch shape
-    print(f"model: Llama {params / 1e6:.1f}M params (random weights), vocab {len(tok)}, {device} {dtype}, "
-          f"{torch.get_num_threads()} threads; text: TinyShakespeare, {len(stream):,} tokens; "
-          f"context {args.context}, stride {args.stride}; best of {args.repeats}")
-    print(f"stage    (batch {args.batch_size:>2}): {stage['tokens_per_s']:>10,.0f} tokens/s  "
-          f"perplexity {stage['perplexity']:.6f} over {stage['tokens']:,} tokens")
+    print(
+        f"model: Llama {params / 1e6:.1f}M params (random weights), vocab {len(tok)}, {device} {dtype}, "
+        f"{torch.get_num_threads()} threads; text: TinyShakespeare, {len(stream):,} tokens; "
+        f"context {args.context}, stride {args.stride}; best of {args.repeats}"
+    )
+    print(
+        f"stage    (batch {args.batch_size:>2}): {stage['tokens_per_s']:>10,.0f} tokens/s  "
+        f"perplexity {stage['perplexity']:.6f} over {stage['tokens']:,} tokens"
+    )
     print(f"baseline (batch  1): {base_tps:>10,.0f} tokens/s  perplexity {base_ppl:.6f} over {n_tokens:,} tokens")
     print(f"ratio stage/baseline: {stage['tokens_per_s'] / base_tps:.1f}x  (goal >= 10)")
-    print(f"the baseline runs at {base_fraction:.2f} of the {rate / 1e9:,.0f} GFLOP/s matmul rate: batching can gain "
-          f"at most {1 / base_fraction:.1f}x here; the stage runs at "
-          f"{base_fraction * stage['tokens_per_s'] / base_tps:.2f} of it")
-    print(f"perplexities agree: {rel < tolerance and n_tokens == stage['tokens']} (relative difference {rel:.1e}, "
-          f"tokens {stage['tokens']:,} vs {n_tokens:,})")
+    print(
+        f"the baseline runs at {base_fraction:.2f} of the {rate / 1e9:,.0f} GFLOP/s matmul rate: batching can gain "
+        f"at most {1 / base_fraction:.1f}x here; the stage runs at "
+        f"{base_fraction * stage['tokens_per_s'] / base_tps:.2f} of it"
+    )
+    print(
+        f"perplexities agree: {rel < tolerance and n_tokens == stage['tokens']} (relative difference {rel:.1e}, "
+        f"tokens {stage['tokens']:,} vs {n_tokens:,})"
+    )
 
     cpu = dist.cpu_info()
     print(f"CPU: {cpu['cpu_model']}, torch capability {cpu['cpu_capability']}, flags {' '.join(cpu['cpu_flags'])}")
     if stage_bf16 is not None:
-        print(f"stage in bf16 (batch {args.batch_size:>2}): {stage_bf16['tokens_per_s']:>10,.0f} tokens/s "
-              f"({stage_bf16['tokens_per_s'] / stage['tokens_per_s']:.2f}x fp32), perplexity {stage_bf16['perplexity']:.6f} "
-              f"(relative difference from fp32 {abs(stage_bf16['perplexity'] - stage['perplexity']) / stage['perplexity']:.1e}); "
-              f"bf16 matmul {rate_bf16 / 1e9:,.0f} GFLOP/s ({rate_bf16 / rate:.2f}x fp32)")
+        print(
+            f"stage in bf16 (batch {args.batch_size:>2}): {stage_bf16['tokens_per_s']:>10,.0f} tokens/s "
+            f"({stage_bf16['tokens_per_s'] / stage['tokens_per_s']:.2f}x fp32), "
+            f"perplexity {stage_bf16['perplexity']:.6f} (relative difference from fp32 "
+            f"{abs(stage_bf16['perplexity'] - stage['perplexity']) / stage['perplexity']:.1e}); "
+            f"bf16 matmul {rate_bf16 / 1e9:,.0f} GFLOP/s ({rate_bf16 / rate:.2f}x fp32)"
+        )
     elif device.type == "cpu" and not args.no_bf16:
-        print("bf16: not measured: this CPU has neither AVX512-BF16 nor AMX-BF16, so bf16 is emulated (~20x slower "
-              "than fp32); precision: auto keeps fp32 on CPUs")
+        print(
+            "bf16: not measured: this CPU has neither AVX512-BF16 nor AMX-BF16, so bf16 is emulated (~20x slower "
+            "than fp32); precision: auto keeps fp32 on CPUs"
+        )
 
 
 if __name__ == "__main__":

@@ -86,7 +86,9 @@ def plain_run(kind: str, data, cfg: train_gnn.Config, seed: int) -> tuple[float,
     def test():
         model.eval()
         pred = model(data.x, data.edge_index).argmax(dim=-1)
-        return [int((pred[m] == data.y[m]).sum()) / int(m.sum()) for m in (data.train_mask, data.val_mask, data.test_mask)]
+        return [
+            int((pred[m] == data.y[m]).sum()) / int(m.sum()) for m in (data.train_mask, data.val_mask, data.test_mask)
+        ]
 
     t0 = time.perf_counter()
     best_val = test_acc = 0.0
@@ -132,19 +134,26 @@ def main() -> None:
             a, s = plain_run(kind, base_data, cfg, seed)
             acc["baseline", kind].append(a)
             secs["baseline", kind] += s
-            print(f"seed {seed} {kind}: stage {r['test_acc']:.1f}% {r['train_s']:.1f}s, baseline {a:.1f}% {s:.1f}s",
-                  flush=True)
+            print(
+                f"seed {seed} {kind}: stage {r['test_acc']:.1f}% {r['train_s']:.1f}s, baseline {a:.1f}% {s:.1f}s",
+                flush=True,
+            )
 
     def pm(xs):
         return f"{statistics.fmean(xs):.1f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.1f}"
 
     print(f"\nCora, {args.seeds} seeds, {torch.get_num_threads()} thread(s)")
-    print(f"{'model':6} {'stage ms/epoch':>15} {'baseline ms/epoch':>18} {'ratio':>6} {'stage acc':>12} {'baseline acc':>13}")
+    print(
+        f"{'model':6} {'stage ms/epoch':>15} {'baseline ms/epoch':>18} {'ratio':>6} "
+        f"{'stage acc':>12} {'baseline acc':>13}"
+    )
     for kind in cfg.models:
         epochs = args.seeds * (cfg.gcn_epochs if kind == "gcn" else cfg.gat_epochs)
         st, bl = (1000 * secs[w, kind] / epochs for w in ("stage", "baseline"))
-        print(f"{kind.upper():6} {st:15.1f} {bl:18.1f} {st / bl:6.2f} {pm(acc['stage', kind]):>12} "
-              f"{pm(acc['baseline', kind]):>13}")
+        print(
+            f"{kind.upper():6} {st:15.1f} {bl:18.1f} {st / bl:6.2f} {pm(acc['stage', kind]):>12} "
+            f"{pm(acc['baseline', kind]):>13}"
+        )
     print("goal: ratio <= 0.5 at equal accuracy")
 
 

@@ -51,19 +51,44 @@ def make_model(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=CONTEXT,
-        tie_word_embeddings=False,
-    ))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=FFN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=HEADS,
+            max_position_embeddings=CONTEXT,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def loop_cfg(steps: int, compile_mode: str | None = None, precision: str = "fp32") -> loop.LoopConfig:
     return loop.LoopConfig(
-        steps=steps, batch_size=BATCH, micro_batch_size=BATCH, context_length=CONTEXT, lr=1e-3, min_lr=1e-4,
-        warmup_steps=2, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, strategy="ddp",
-        activation_checkpointing=False, compile=compile_mode is not None, eval_every=0, eval_batches=0, checkpoint_every=0,
-        log_every=10**9, seed=0, peak_tflops=1.0, compile_mode=compile_mode or "default", precision=precision,
+        steps=steps,
+        batch_size=BATCH,
+        micro_batch_size=BATCH,
+        context_length=CONTEXT,
+        lr=1e-3,
+        min_lr=1e-4,
+        warmup_steps=2,
+        weight_decay=0.1,
+        beta1=0.9,
+        beta2=0.95,
+        grad_clip=1.0,
+        strategy="ddp",
+        activation_checkpointing=False,
+        compile=compile_mode is not None,
+        eval_every=0,
+        eval_batches=0,
+        checkpoint_every=0,
+        log_every=10**9,
+        seed=0,
+        peak_tflops=1.0,
+        compile_mode=compile_mode or "default",
+        precision=precision,
     )
 
 
@@ -113,10 +138,23 @@ def run_trainer(tokens: np.ndarray, steps: int) -> float:
     clock = Clock()
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(
-            output_dir=tmp, per_device_train_batch_size=BATCH, max_steps=steps, learning_rate=1e-3,
-            weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0, warmup_steps=2,
-            lr_scheduler_type="cosine", save_strategy="no", report_to=[], logging_strategy="no",
-            disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, seed=0,
+            output_dir=tmp,
+            per_device_train_batch_size=BATCH,
+            max_steps=steps,
+            learning_rate=1e-3,
+            weight_decay=0.1,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            max_grad_norm=1.0,
+            warmup_steps=2,
+            lr_scheduler_type="cosine",
+            save_strategy="no",
+            report_to=[],
+            logging_strategy="no",
+            disable_tqdm=True,
+            use_cpu=True,
+            dataloader_num_workers=0,
+            seed=0,
         )
         Trainer(model=make_model(), args=args, train_dataset=data, callbacks=[clock]).train()
     return BATCH * CONTEXT * (len(clock.times) - 1) / sum(clock.times[1:])
@@ -138,12 +176,17 @@ def kernel_ceiling(model, repeats: int = 3) -> float:
     seconds = 0.0
     for (fan_in, fan_out), count in shapes.items():
         x, w, g = torch.randn(n, fan_in), torch.randn(fan_out, fan_in), torch.randn(n, fan_out)
-        products = lambda: (x @ w.t(), g @ w, g.t() @ x)  # noqa: E731  forward, input grad, weight grad
+
+        def products(x=x, w=w, g=g):  # forward, input grad, weight grad
+            return x @ w.t(), g @ w, g.t() @ x
+
         products()
         seconds += count * min(_timed(products) for _ in range(repeats))
     c = model.config
-    q, k, v = (torch.randn(BATCH, c.num_attention_heads, CONTEXT, c.hidden_size // c.num_attention_heads,
-                           requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(BATCH, c.num_attention_heads, CONTEXT, c.hidden_size // c.num_attention_heads, requires_grad=True)
+        for _ in range(3)
+    )
 
     def attention():
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
@@ -163,9 +206,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--compile", nargs="*", metavar="MODE", choices=loop.COMPILE_MODES,
-                        help="also run the stage with compile: true in these compile modes "
-                             "(none given: default)")
+    parser.add_argument(
+        "--compile",
+        nargs="*",
+        metavar="MODE",
+        choices=loop.COMPILE_MODES,
+        help="also run the stage with compile: true in these compile modes (none given: default)",
+    )
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 runs on CPUs that have bf16 instructions")
     args = parser.parse_args()
     bf16 = dist.cpu_has_native_bf16() and not args.no_bf16
@@ -188,33 +235,45 @@ def main() -> None:
             best["stage_bf16"] = max(best.get("stage_bf16", 0.0), run_stage(tokens, args.steps, precision="bf16"))
             best["bare_bf16"] = max(best.get("bare_bf16", 0.0), run_bare(tokens, args.steps, torch.bfloat16))
     fpt = loop.flops_per_token(make_model(), CONTEXT)
-    print(f"model: {sum(p.numel() for p in make_model().parameters()) / 1e6:.1f}M parameters, "
-          f"{fpt / 1e6:.1f} MFLOP/token; batch {BATCH}x{CONTEXT}, {args.steps} steps, best of {args.repeats}, "
-          f"{threads} threads, fp32")
+    print(
+        f"model: {sum(p.numel() for p in make_model().parameters()) / 1e6:.1f}M parameters, "
+        f"{fpt / 1e6:.1f} MFLOP/token; batch {BATCH}x{CONTEXT}, {args.steps} steps, best of {args.repeats}, "
+        f"{threads} threads, fp32"
+    )
     for name, label in (("stage", "stage (loop.train)"), ("bare", "bare PyTorch loop"), ("trainer", "HF Trainer")):
         print(f"{label:<20} {best[name]:>10,.0f} tokens/s")
     print(f"matmul 2048^3 fp32   {rate / 1e9:>10,.1f} GFLOP/s")
     print(f"stage / bare loop:      {best['stage'] / best['bare']:.2f}  (goal >= 1.0)")
     print(f"stage / Trainer:        {best['stage'] / best['trainer']:.2f}  (goal >= 1.05)")
     print(f"stage FLOP/s / matmul:  {fpt * best['stage'] / rate:.2f}  (goal >= 0.6)")
-    print(f"kernel ceiling: {ceiling:,.0f} tokens/s, FLOP/s / matmul {fpt * ceiling / rate:.2f}; "
-          f"the stage runs at {best['stage'] / ceiling:.2f} of it")
+    print(
+        f"kernel ceiling: {ceiling:,.0f} tokens/s, FLOP/s / matmul {fpt * ceiling / rate:.2f}; "
+        f"the stage runs at {best['stage'] / ceiling:.2f} of it"
+    )
     for mode in modes:
-        print(f"compiled stage, compile_mode {mode}: {best[mode]:,.0f} tokens/s; / bare loop {best[mode] / best['bare']:.2f}, "
-              f"/ Trainer {best[mode] / best['trainer']:.2f}, FLOP/s / matmul {fpt * best[mode] / rate:.2f}, "
-              f"/ kernel ceiling {best[mode] / ceiling:.2f}")
+        print(
+            f"compiled stage, compile_mode {mode}: {best[mode]:,.0f} tokens/s; "
+            f"/ bare loop {best[mode] / best['bare']:.2f}, "
+            f"/ Trainer {best[mode] / best['trainer']:.2f}, FLOP/s / matmul {fpt * best[mode] / rate:.2f}, "
+            f"/ kernel ceiling {best[mode] / ceiling:.2f}"
+        )
 
     cpu = dist.cpu_info()
     print(f"CPU: {cpu['cpu_model']}, torch capability {cpu['cpu_capability']}, flags {' '.join(cpu['cpu_flags'])}")
     if bf16:
         print(f"matmul 2048^3 bf16   {best['rate_bf16'] / 1e9:>10,.1f} GFLOP/s  ({best['rate_bf16'] / rate:.2f}x fp32)")
-        print(f"bf16 autocast: stage {best['stage_bf16']:,.0f} tokens/s ({best['stage_bf16'] / best['stage']:.2f}x the fp32 "
-              f"stage), bare loop {best['bare_bf16']:,.0f} tokens/s; stage / bare loop "
-              f"{best['stage_bf16'] / best['bare_bf16']:.2f}, stage FLOP/s / bf16 matmul "
-              f"{fpt * best['stage_bf16'] / best['rate_bf16']:.2f}")
+        print(
+            f"bf16 autocast: stage {best['stage_bf16']:,.0f} tokens/s "
+            f"({best['stage_bf16'] / best['stage']:.2f}x the fp32 "
+            f"stage), bare loop {best['bare_bf16']:,.0f} tokens/s; stage / bare loop "
+            f"{best['stage_bf16'] / best['bare_bf16']:.2f}, stage FLOP/s / bf16 matmul "
+            f"{fpt * best['stage_bf16'] / best['rate_bf16']:.2f}"
+        )
     elif not args.no_bf16:
-        print("bf16: not measured: this CPU has neither AVX512-BF16 nor AMX-BF16, so bf16 is emulated (~20x slower "
-              "than fp32); precision: auto keeps fp32 on CPUs")
+        print(
+            "bf16: not measured: this CPU has neither AVX512-BF16 nor AMX-BF16, so bf16 is emulated (~20x slower "
+            "than fp32); precision: auto keeps fp32 on CPUs"
+        )
 
 
 if __name__ == "__main__":

@@ -73,8 +73,13 @@ def child(base: str, quantization: str, steps: int) -> dict:
     seconds = (time.perf_counter() - t0) / steps
     done.set()
     sampler.join()
-    return {"peak_anon_mb": (peak["anon"] - start) / 1024, "peak_rss_mb": status_kib("VmHWM") / 1024,
-            "linear_weight_mb": linear_bytes / 2**20, "s_per_step": seconds, "loss": loss.item()}
+    return {
+        "peak_anon_mb": (peak["anon"] - start) / 1024,
+        "peak_rss_mb": status_kib("VmHWM") / 1024,
+        "linear_weight_mb": linear_bytes / 2**20,
+        "s_per_step": seconds,
+        "loss": loss.item(),
+    }
 
 
 def main() -> None:
@@ -92,23 +97,40 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="qlora-bench-") as tmp:
         torch.manual_seed(0)
-        mc = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                         num_key_value_heads=args.hidden // 64, max_position_embeddings=512, tie_word_embeddings=False)
+        mc = LlamaConfig(
+            vocab_size=32000,
+            hidden_size=args.hidden,
+            intermediate_size=args.hidden * 11 // 4,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.hidden // 64,
+            num_key_value_heads=args.hidden // 64,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+        )
         model = LlamaForCausalLM(mc)
         n_params = sum(p.numel() for p in model.parameters())
         model.save_pretrained(tmp)
         del model
         runs = {}
         for quantization in ("nf4", "none"):
-            out = subprocess.run([sys.executable, __file__, "--child", tmp, quantization, "--steps", str(args.steps)],
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", tmp, quantization, "--steps", str(args.steps)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             runs[quantization] = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"Llama {n_params / 1e6:.0f}M parameters (hidden {args.hidden}, {args.layers} layers), LoRA r=16 on all "
-          f"linear layers, batch 4 x 128, {args.steps} AdamW steps, fp32 compute, CPU")
+    print(
+        f"Llama {n_params / 1e6:.0f}M parameters (hidden {args.hidden}, {args.layers} layers), LoRA r=16 on all "
+        f"linear layers, batch 4 x 128, {args.steps} AdamW steps, fp32 compute, CPU"
+    )
     print(f"{'':24s} {'nf4':>10s} {'none':>10s} {'nf4 / none':>11s}")
-    for key, label in (("peak_anon_mb", "peak anonymous (MiB)"), ("peak_rss_mb", "peak resident (MiB)"),
-                       ("linear_weight_mb", "linear weights (MiB)"), ("s_per_step", "seconds per step")):
+    for key, label in (
+        ("peak_anon_mb", "peak anonymous (MiB)"),
+        ("peak_rss_mb", "peak resident (MiB)"),
+        ("linear_weight_mb", "linear weights (MiB)"),
+        ("s_per_step", "seconds per step"),
+    ):
         a, b = runs["nf4"][key], runs["none"][key]
         print(f"{label:24s} {a:10.1f} {b:10.1f} {a / b:10.3f}x")
 

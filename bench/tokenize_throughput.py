@@ -48,8 +48,9 @@ def main() -> None:
         corpus.mkdir()
         text = raw.read_text() * args.copies
         (corpus / "train.txt").write_text(text)
-        cfg = tokenize.Config(vocab_size=args.vocab_size, min_frequency=2, train_max_bytes=0,
-                              batch_lines=4096, shard_tokens=1 << 24)
+        cfg = tokenize.Config(
+            vocab_size=args.vocab_size, min_frequency=2, train_max_bytes=0, batch_lines=4096, shard_tokens=1 << 24
+        )
         tok = tokenize.train_tokenizer(corpus, cfg, show_progress=False)
         txt = corpus / "train.txt"
         size = txt.stat().st_size
@@ -70,8 +71,10 @@ def main() -> None:
             best["stage"] = max(best["stage"], tokens / stage_s)
             best["baseline"] = max(best["baseline"], base_tokens / base_s)
 
-    print(f"text: TinyShakespeare x{args.copies} ({size / 1e6:.1f} MB, {tokens:,} tokens), vocab {args.vocab_size}, "
-          f"{threads} threads, best of {args.repeats}")
+    print(
+        f"text: TinyShakespeare x{args.copies} ({size / 1e6:.1f} MB, {tokens:,} tokens), vocab {args.vocab_size}, "
+        f"{threads} threads, best of {args.repeats}"
+    )
     print(f"stage    (stages.tokenize.encode_range): {best['stage']:>12,.0f} tokens/s")
     print(f"baseline (Tokenizer.encode_batch, ids): {best['baseline']:>12,.0f} tokens/s")
     print(f"ratio stage/baseline: {best['stage'] / best['baseline']:.2f}  (goal >= 0.9)")

@@ -38,8 +38,12 @@ HASH = re.compile(r"[0-9a-f]{32}(\.dir)?")
 
 def _entry_problem(entry) -> bool:
     """A dep/out record without its path, content hash or size (a record cut short)."""
-    return not (isinstance(entry, dict) and isinstance(entry.get("path"), str)
-                and HASH.fullmatch(str(entry.get("md5", ""))) and isinstance(entry.get("size"), int))
+    return not (
+        isinstance(entry, dict)
+        and isinstance(entry.get("path"), str)
+        and HASH.fullmatch(str(entry.get("md5", "")))
+        and isinstance(entry.get("size"), int)
+    )
 
 
 def lock_problem(path: Path = LOCK_FILE) -> str | None:
@@ -59,7 +63,7 @@ def lock_problem(path: Path = LOCK_FILE) -> str | None:
         from dvc.schema import COMPILED_LOCKFILE_SCHEMA
 
         COMPILED_LOCKFILE_SCHEMA(data)
-    except Exception as e:  # noqa: BLE001  voluptuous' errors, whatever their class
+    except Exception as e:  # voluptuous' errors, whatever their class
         return f"it is not in DVC's lock format ({str(e).splitlines()[0][:200]})"
     if not isinstance(data.get("stages"), dict) or not data["stages"]:
         return "it holds no stages"
@@ -121,23 +125,34 @@ def _repair() -> str:
     if GOOD_COPY.exists() and lock_problem(GOOD_COPY) is None:
         _copy(LOCK_FILE, LOCK_FILE.with_name("dvc.lock.damaged"))
         _copy(GOOD_COPY, LOCK_FILE)
-        print(f"warning: dvc.lock was damaged ({problem}), probably by a kill during `dvc commit`; restored the last "
-              f"good copy from {GOOD_COPY} (the damaged file is dvc.lock.damaged); stages committed after that copy "
-              f"show as changed and re-run", file=sys.stderr, flush=True)
+        print(
+            f"warning: dvc.lock was damaged ({problem}), probably by a kill during `dvc commit`; restored the last "
+            f"good copy from {GOOD_COPY} (the damaged file is dvc.lock.damaged); stages committed after that copy "
+            f"show as changed and re-run",
+            file=sys.stderr,
+            flush=True,
+        )
         return "restored"
-    raise SystemExit(f"dvc.lock is damaged ({problem}) and there is no good copy at {GOOD_COPY}: restore it from git "
-                     f"(git checkout dvc.lock) or delete it (every stage then counts as changed)")
+    raise SystemExit(
+        f"dvc.lock is damaged ({problem}) and there is no good copy at {GOOD_COPY}: restore it from git "
+        f"(git checkout dvc.lock) or delete it (every stage then counts as changed)"
+    )
 
 
 def commit(stage: str) -> int:
     with commit_lock():
         _repair()
-        proc = subprocess.run([sys.executable, "-m", "dvc", "commit", "--force", "--quiet", stage],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "dvc", "commit", "--force", "--quiet", stage], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             print(proc.stdout + proc.stderr, file=sys.stderr, end="")
-            print(f"error: `dvc commit {stage}` failed (exit {proc.returncode}); its outputs are not recorded in "
-                  f"dvc.lock. Fix the cause above and re-run", file=sys.stderr, flush=True)
+            print(
+                f"error: `dvc commit {stage}` failed (exit {proc.returncode}); its outputs are not recorded in "
+                f"dvc.lock. Fix the cause above and re-run",
+                file=sys.stderr,
+                flush=True,
+            )
             return proc.returncode
         problem = lock_problem()
         if problem:

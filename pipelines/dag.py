@@ -95,18 +95,30 @@ def load_table(path: Path = TABLE) -> dict[str, Stage]:
         if set(res) - RESOURCE_KEYS:
             raise TableError(f"{path}: stage {name}: unknown resource(s) {sorted(set(res) - RESOURCE_KEYS)}")
         stages[name] = Stage(
-            name=name, args=entry.get("args", ""), deps=tuple(entry.get("deps", ())) + common,
-            params=tuple(entry.get("params", ())), outs=tuple(entry.get("outs", ())),
-            metrics=tuple(entry.get("metrics", ())), plots=tuple(entry.get("plots", ())), resources=res,
-            foreach=tuple(str(i) for i in entry.get("foreach", ())), collect=bool(entry.get("collect", False)),
+            name=name,
+            args=entry.get("args", ""),
+            deps=tuple(entry.get("deps", ())) + common,
+            params=tuple(entry.get("params", ())),
+            outs=tuple(entry.get("outs", ())),
+            metrics=tuple(entry.get("metrics", ())),
+            plots=tuple(entry.get("plots", ())),
+            resources=res,
+            foreach=tuple(str(i) for i in entry.get("foreach", ())),
+            collect=bool(entry.get("collect", False)),
         )
     # A collecting stage (the report) reads every other stage's outputs.
     for name, st in list(stages.items()):
         if st.collect:
-            others = [fill(o, item) for s in stages.values() if s.name != name
-                      for _, item in s.instances() for o in s.outs]
-            stages[name] = Stage(**{**st.__dict__, "deps": st.deps + tuple(others),
-                                    "args": f"{st.args} --inputs {' '.join(others)}".strip()})
+            others = [
+                fill(o, item) for s in stages.values() if s.name != name for _, item in s.instances() for o in s.outs
+            ]
+            stages[name] = Stage(
+                **{
+                    **st.__dict__,
+                    "deps": st.deps + tuple(others),
+                    "args": f"{st.args} --inputs {' '.join(others)}".strip(),
+                }
+            )
     return stages
 
 
@@ -159,8 +171,12 @@ def snakemake_view(root: Path) -> dict[str, dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         dump = Path(tmp) / "rules.json"
-        proc = subprocess.run([sys.executable, "-m", "snakemake", "--list-rules", "--config", f"dump_rules={dump}"],
-                              cwd=root, capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "snakemake", "--list-rules", "--config", f"dump_rules={dump}"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"snakemake could not load the Snakefile:\n{proc.stderr}")
         rules = json.loads(dump.read_text())
@@ -209,7 +225,9 @@ def main(argv=None) -> int:
     if argv == ["check"]:
         current = target.read_text() if target.exists() else ""
         if current != text:
-            sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), text.splitlines(True), "dvc.yaml", "from stages.yaml"))
+            sys.stdout.writelines(
+                difflib.unified_diff(current.splitlines(True), text.splitlines(True), "dvc.yaml", "from stages.yaml")
+            )
             print("\ndvc.yaml is out of date: run `python -m pipelines.dag write` (make dag)", file=sys.stderr)
             return 1
         problems = disagreements()

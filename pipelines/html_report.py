@@ -38,8 +38,13 @@ def cell(value) -> str:
     if isinstance(value, int):
         return f'<td class="num">{value}</td>'
     if isinstance(value, dict):  # data hashes: name and the hash's first 12 characters
-        return "<td>" + "<br>".join(f"<code>{html.escape(Path(k).name)}:{html.escape(str(v)[:12])}</code>"
-                                    for k, v in value.items()) + "</td>"
+        return (
+            "<td>"
+            + "<br>".join(
+                f"<code>{html.escape(Path(k).name)}:{html.escape(str(v)[:12])}</code>" for k, v in value.items()
+            )
+            + "</td>"
+        )
     return f"<td>{html.escape(str(value))}</td>"
 
 
@@ -51,17 +56,22 @@ def table(header: list[str], rows: list[list]) -> str:
 
 def image(path: Path) -> str:
     data = base64.b64encode(path.read_bytes()).decode()
-    return (f'<figure><img alt="{html.escape(str(path))}" src="data:image/png;base64,{data}">'
-            f"<figcaption><code>{html.escape(str(path))}</code></figcaption></figure>")
+    return (
+        f'<figure><img alt="{html.escape(str(path))}" src="data:image/png;base64,{data}">'
+        f"<figcaption><code>{html.escape(str(path))}</code></figcaption></figure>"
+    )
 
 
 def render(results: dict, root: Path) -> str:
     fields = results["row_fields"]
-    parts = [f"<h1>Pipeline results</h1><p>Git commit: <code>{html.escape(results['git_commit'])}</code></p>",
-             "<h2>Reproduced results</h2>",
-             table(fields, [[row.get(f, "") for f in fields] for row in results["rows"]]) if results["rows"]
-             else "<p>No stage reproduced a published result in this run.</p>",
-             "<h2>Stage metrics</h2>"]
+    parts = [
+        f"<h1>Pipeline results</h1><p>Git commit: <code>{html.escape(results['git_commit'])}</code></p>",
+        "<h2>Reproduced results</h2>",
+        table(fields, [[row.get(f, "") for f in fields] for row in results["rows"]])
+        if results["rows"]
+        else "<p>No stage reproduced a published result in this run.</p>",
+        "<h2>Stage metrics</h2>",
+    ]
     for stage, metrics in results["stage_metrics"].items():
         parts += [f"<h3>{html.escape(stage)}</h3>", table(["metric", "value"], sorted(flatten(metrics).items()))]
     plots = [p for p in results.get("plots", []) if str(p).endswith(".png")]
@@ -69,8 +79,10 @@ def render(results: dict, root: Path) -> str:
     for plot in plots:
         path = root / plot
         parts.append(image(path) if path.is_file() else f"<p>missing plot <code>{html.escape(plot)}</code></p>")
-    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>Pipeline results</title>"
-            f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>\n")
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>Pipeline results</title>'
+        f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>\n"
+    )
 
 
 def main(argv=None) -> Path:

@@ -13,7 +13,8 @@ it starts one `torchrun` per node with `srun`, all meeting at a c10d rendezvous 
 first node (port 29400 + job id mod 1000, id = the job id):
 
     srun --overlap --nodes=N --ntasks-per-node=1 python -m torch.distributed.run --nnodes=N \
-         --nproc-per-node=P --rdzv-backend=c10d --rdzv-endpoint=<first node>:<port> --rdzv-id=<job id> -m stages.<stage> ...
+         --nproc-per-node=P --rdzv-backend=c10d --rdzv-endpoint=<first node>:<port> --rdzv-id=<job id> \
+         -m stages.<stage> ...
 
 Preemption: SIGTERM (what SLURM sends at preemption and near the time limit) and SLURM's warning
 signal USR1 (`sbatch --requeue --signal=B:USR1@<seconds>`, for a stage submitted on its own) reach the
@@ -49,8 +50,9 @@ def visible_gpus() -> int:
 
 def slurm_hosts(env: dict) -> list[str]:
     """The allocation's node names, in SLURM's order (the first one hosts the rendezvous)."""
-    out = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], capture_output=True, text=True, check=True
+    )
     return out.stdout.split()
 
 
@@ -70,17 +72,30 @@ def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     if nodes > 1:
         if not env.get("SLURM_JOB_ID"):
-            raise SystemExit(f"launch: stage {name} asks for {nodes} nodes; run it in a SLURM allocation "
-                             "(snakemake --profile pipelines/profiles/slurm) or set its resources.nodes to 1")
+            raise SystemExit(
+                f"launch: stage {name} asks for {nodes} nodes; run it in a SLURM allocation "
+                "(snakemake --profile pipelines/profiles/slurm) or set its resources.nodes to 1"
+            )
         have = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
         if have < nodes:
             raise SystemExit(f"launch: stage {name} asks for {nodes} nodes, the SLURM allocation has {have}")
         job = int(env["SLURM_JOB_ID"])
         endpoint = f"{slurm_hosts(env)[0]}:{29400 + job % 1000}"
         # --overlap: the step Snakemake runs this launcher in already holds a task of the allocation.
-        return ["srun", "--overlap", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-                *torchrun, f"--nnodes={nodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}", *module]
+        return [
+            "srun",
+            "--overlap",
+            f"--nodes={nodes}",
+            "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1",
+            *torchrun,
+            f"--nnodes={nodes}",
+            f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={job}",
+            *module,
+        ]
     if nproc <= 1:
         return [sys.executable, *module]
     return [*torchrun, "--standalone", f"--nproc-per-node={nproc}", *module]
@@ -91,8 +106,12 @@ def forget_snakemake_records(stage: str) -> None:
     outs = [fill(o, item or None) for o in load_table()[name].outs]
     if Path(".snakemake/metadata").is_dir():
         # PIPELINE_NO_SYNC: DVC holds its repository lock now, so the Snakefile must not ask `dvc status`.
-        subprocess.run([sys.executable, "-m", "snakemake", "--quiet", "all", "--cleanup-metadata", *outs],
-                       env={**os.environ, "PIPELINE_NO_SYNC": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "snakemake", "--quiet", "all", "--cleanup-metadata", *outs],
+            env={**os.environ, "PIPELINE_NO_SYNC": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
 
 def main() -> None:
@@ -106,8 +125,13 @@ def main() -> None:
     from stages.common.dist import die_with_parent
 
     # No terminal input: a background process group reading it would be stopped (SIGTTIN).
-    child = subprocess.Popen(cmd, process_group=0, preexec_fn=die_with_parent, stdin=subprocess.DEVNULL,
-                             env={**os.environ, "PIPELINE_LAUNCHED": "1"})
+    child = subprocess.Popen(
+        cmd,
+        process_group=0,
+        preexec_fn=die_with_parent,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PIPELINE_LAUNCHED": "1"},
+    )
     warned, forwarded = [], []
 
     # Preemption and time limits signal the launcher; the stage must hear them to checkpoint. Stages
@@ -117,8 +141,12 @@ def main() -> None:
         if signum == signal.SIGUSR1:
             warned.append(signum)
         if forwarded:
-            print(f"launch: {signal.Signals(signum).name} again: the stage is already saving and stopping "
-                  f"(SIGKILL pid {child.pid} to abort)", file=sys.stderr, flush=True)
+            print(
+                f"launch: {signal.Signals(signum).name} again: the stage is already saving and stopping "
+                f"(SIGKILL pid {child.pid} to abort)",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         forwarded.append(signum)
         # srun needs two SIGINTs within a second to signal its tasks, and one SIGTERM.
@@ -138,12 +166,19 @@ def main() -> None:
 def requeue(job_id: str, code: int) -> None:
     """Put the SLURM job back in the queue after the stage stopped on the warning signal; its next
     start runs the same command, which resumes from the stage's checkpoint."""
-    print(f"launch: stage stopped on SLURM's warning signal (exit {code}); requeueing job {job_id}",
-          file=sys.stderr, flush=True)
+    print(
+        f"launch: stage stopped on SLURM's warning signal (exit {code}); requeueing job {job_id}",
+        file=sys.stderr,
+        flush=True,
+    )
     proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
     if proc.returncode != 0:
-        print(f"launch: scontrol requeue {job_id} failed: {proc.stderr.strip()} "
-              "(submit with --requeue, or re-run the pipeline to resume)", file=sys.stderr, flush=True)
+        print(
+            f"launch: scontrol requeue {job_id} failed: {proc.stderr.strip()} "
+            "(submit with --requeue, or re-run the pipeline to resume)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

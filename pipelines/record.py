@@ -32,23 +32,29 @@ HEADER = """\
 
 def collect(data: Path) -> dict:
     """{eval stage label: {model: {context: perplexity}}} from data/eval_perplexity/*/metrics.json."""
-    metrics = {f"eval_perplexity/{p.parent.name}": json.loads(p.read_text())
-               for p in sorted((data / "eval_perplexity").glob("*/metrics.json"))}
+    metrics = {
+        f"eval_perplexity/{p.parent.name}": json.loads(p.read_text())
+        for p in sorted((data / "eval_perplexity").glob("*/metrics.json"))
+    }
     found = report.perplexities(metrics)
     if not any(found.values()):
         raise SystemExit(f"record: no perplexities under {data / 'eval_perplexity'}; run the pipeline first")
-    return {label: {model: {ctx: round(v, 4) for ctx, v in sorted(by_ctx.items())} for model, by_ctx in models.items()}
-            for label, models in found.items()}
+    return {
+        label: {model: {ctx: round(v, 4) for ctx, v in sorted(by_ctx.items())} for model, by_ctx in models.items()}
+        for label, models in found.items()
+    }
 
 
 def record(params_file: Path, data: Path, path: Path = RECORDED, preset: str = "") -> dict:
     params = config.read_yaml(params_file)
-    entry = {"params": report.params_fingerprint(params),
-             "recorded": f"{datetime.date.today().isoformat()}, commit {track.git_commit()[:12]}",
-             **({"preset": preset} if preset else {}),
-             "perplexity": collect(data),
-             # the params behind them, for the report to name what differs when no record matches
-             "sections": report.regression_params(params)}
+    entry = {
+        "params": report.params_fingerprint(params),
+        "recorded": f"{datetime.date.today().isoformat()}, commit {track.git_commit()[:12]}",
+        **({"preset": preset} if preset else {}),
+        "perplexity": collect(data),
+        # the params behind them, for the report to name what differs when no record matches
+        "sections": report.regression_params(params),
+    }
     records = (yaml.safe_load(path.read_text()) or {}).get("records") or [] if path.is_file() else []
     records = [r for r in records if r.get("params") != entry["params"]] + [entry]
     out = io.StringIO()

@@ -74,8 +74,11 @@ def align_mtimes(root: Path = Path(".")) -> list[str]:
     changed = set(status)
     stale = {name for name, items in status.items() if is_stale(items)}
     # (DVC stage name, its input paths, its output paths) for every stage instance of the table
-    instances = [(name, [root / fill(d, item) for d in st.deps], [root / fill(o, item) for o in st.outs])
-                 for st in load_table(root / "pipelines/stages.yaml").values() for name, item in st.instances()]
+    instances = [
+        (name, [root / fill(d, item) for d in st.deps], [root / fill(o, item) for o in st.outs])
+        for st in load_table(root / "pipelines/stages.yaml").values()
+        for name, item in st.instances()
+    ]
     bumped = []
     for name, deps, outs in instances:
         if name in stale and deps and all(p.exists() for p in deps + outs):

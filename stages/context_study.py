@@ -57,8 +57,10 @@ def load_inputs(extend: Path, evaluated: Path) -> tuple[dict, dict]:
     metrics = json.loads((evaluated / "metrics.json").read_text())["models"]
     missing = sorted(set(meta["variants"]) - set(metrics))
     if missing:
-        raise config.UserError(f"context_study: {evaluated}/metrics.json lacks variant {missing[0]}; evaluate "
-                               f"{extend}/model with eval_perplexity (it evaluates every subfolder)")
+        raise config.UserError(
+            f"context_study: {evaluated}/metrics.json lacks variant {missing[0]}; evaluate "
+            f"{extend}/model with eval_perplexity (it evaluates every subfolder)"
+        )
     return meta, metrics
 
 
@@ -68,17 +70,21 @@ def perplexity_table(meta: dict, metrics: dict) -> tuple[list[int], dict]:
     lengths = sorted({int(k.removeprefix("ctx")) for m in metrics.values() for k in m})
     for need in (L, E):
         if need not in lengths:
-            raise config.UserError(f"context_study: the variants were not evaluated at context {need} (L = {L}, "
-                                   f"s x L = {E}); set eval_perplexity.contexts to include them, e.g. "
-                                   f"[{L}, {2 * L}, {4 * L}, {8 * L}]")
+            raise config.UserError(
+                f"context_study: the variants were not evaluated at context {need} (L = {L}, "
+                f"s x L = {E}); set eval_perplexity.contexts to include them, e.g. "
+                f"[{L}, {2 * L}, {4 * L}, {8 * L}]"
+            )
     lengths = [n for n in lengths if n >= L]
     table = {}
     for name in meta["variants"]:
         got = {int(k.removeprefix("ctx")): v["perplexity"] for k, v in metrics[name].items()}
         absent = [n for n in lengths if n not in got]
         if absent:
-            raise config.UserError(f"context_study: variant {name} was not evaluated at context {absent[0]}; "
-                                   f"re-run eval_perplexity on every variant with the same contexts")
+            raise config.UserError(
+                f"context_study: variant {name} was not evaluated at context {absent[0]}; "
+                f"re-run eval_perplexity on every variant with the same contexts"
+            )
         table[name] = {n: got[n] for n in lengths}
     return lengths, table
 
@@ -91,37 +97,79 @@ def findings(meta: dict, table: dict, cfg: Config) -> list[dict]:
     rows = []
 
     def row(result, paper, finding, ours, relation, published, tolerance=0.0):
-        rows.append({"result": result, "paper": paper, "finding": finding, "ours": ours, "relation": relation,
-                     "published": published, "tolerance": tolerance})
+        rows.append(
+            {
+                "result": result,
+                "paper": paper,
+                "finding": finding,
+                "ours": ours,
+                "relation": relation,
+                "published": published,
+                "tolerance": tolerance,
+            }
+        )
 
     base_L = table["unscaled"][L]
-    row(f"unscaled: perplexity at {s} / at L", PI, "without scaling, perplexity explodes beyond the trained context",
-        table["unscaled"][E] / base_L, ">=", cfg.unscaled_growth)
+    row(
+        f"unscaled: perplexity at {s} / at L",
+        PI,
+        "without scaling, perplexity explodes beyond the trained context",
+        table["unscaled"][E] / base_L,
+        ">=",
+        cfg.unscaled_growth,
+    )
     if have("linear-ft"):
-        row(f"linear fine-tuned at {s} / base at L", PI,
+        row(
+            f"linear fine-tuned at {s} / base at L",
+            PI,
             "interpolation plus a short fine-tune recovers perplexity at the extended context",
-            table["linear-ft"][E] / base_L, "<=", 1.0, cfg.finetuned_tolerance)
+            table["linear-ft"][E] / base_L,
+            "<=",
+            1.0,
+            cfg.finetuned_tolerance,
+        )
     scaled = [n for n, v in meta["variants"].items() if not v["finetuned"] and n != "unscaled"]
     for name in scaled:
         if meta["variants"][name]["rope_parameters"]["rope_type"] == "linear":
             continue  # interpolation changes every frequency: it needs the fine-tune (finding above)
-        row(f"{name} zero-shot at {s} / unscaled at {s}", YARN,
+        row(
+            f"{name} zero-shot at {s} / unscaled at {s}",
+            YARN,
             "scaled RoPE without fine-tuning degrades less than unscaled RoPE beyond L",
-            table[name][E] / table["unscaled"][E], "<=", 1.0)
+            table[name][E] / table["unscaled"][E],
+            "<=",
+            1.0,
+        )
     others = [n for n in scaled if n != "yarn"]
     if "yarn" in scaled and others:
         best = min(others, key=lambda n: table[n][E])
-        row(f"yarn zero-shot at {s} / best other scaled ({best})", YARN,
-            "YaRN degrades least of the scaling methods without fine-tuning", table["yarn"][E] / table[best][E], "<=", 1.0)
+        row(
+            f"yarn zero-shot at {s} / best other scaled ({best})",
+            YARN,
+            "YaRN degrades least of the scaling methods without fine-tuning",
+            table["yarn"][E] / table[best][E],
+            "<=",
+            1.0,
+        )
     if have("yarn-ft", "linear-ft"):
-        row(f"yarn fine-tuned at {s} / linear fine-tuned at {s}", YARN,
+        row(
+            f"yarn fine-tuned at {s} / linear fine-tuned at {s}",
+            YARN,
             "with the same fine-tuning tokens, YaRN reaches lower perplexity than interpolation",
-            table["yarn-ft"][E] / table["linear-ft"][E], "<=", 1.0)
+            table["yarn-ft"][E] / table["linear-ft"][E],
+            "<=",
+            1.0,
+        )
     if have("unscaled-ft", "linear-ft"):
         for n in sorted({E, max(table["unscaled-ft"])}):
-            row(f"direct fine-tune at {n // L}L / linear fine-tuned at {n // L}L", PI,
+            row(
+                f"direct fine-tune at {n // L}L / linear fine-tuned at {n // L}L",
+                PI,
                 "fine-tuning without interpolation extends the context less well than interpolation",
-                table["unscaled-ft"][n] / table["linear-ft"][n], ">=", 1.0)
+                table["unscaled-ft"][n] / table["linear-ft"][n],
+                ">=",
+                1.0,
+            )
     return rows
 
 
@@ -134,33 +182,55 @@ def holds(row: dict) -> bool:
 
 def position_table(meta: dict, metrics: dict, longest: int) -> dict:
     """{variant: {bucket: perplexity}} at the longest evaluated context (when buckets were asked for)."""
-    return {name: {b: v["perplexity"] for b, v in metrics[name][f"ctx{longest}"].get("buckets", {}).items()}
-            for name in meta["variants"]}
+    return {
+        name: {b: v["perplexity"] for b, v in metrics[name][f"ctx{longest}"].get("buckets", {}).items()}
+        for name in meta["variants"]
+    }
 
 
 def render(meta: dict, lengths: list[int], table: dict, positions: dict, rows: list[dict]) -> str:
     L = meta["original_context"]
     head = [f"{n // L}L ({n})" if n % L == 0 else str(n) for n in lengths]
-    lines = ["# Context-extension study", "",
-             f"Base model trained at L = {L} tokens, extended by s = {meta['factor']:g} to {meta['extended_context']}; "
-             f"fine-tuned variants trained {meta['finetune_steps']} steps at {meta['extended_context']}. "
-             "Token perplexity on the test split, non-overlapping windows of each length.", "",
-             "| method | fine-tuned | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(lengths)]
+    lines = [
+        "# Context-extension study",
+        "",
+        f"Base model trained at L = {L} tokens, extended by s = {meta['factor']:g} to {meta['extended_context']}; "
+        f"fine-tuned variants trained {meta['finetune_steps']} steps at {meta['extended_context']}. "
+        "Token perplexity on the test split, non-overlapping windows of each length.",
+        "",
+        "| method | fine-tuned | " + " | ".join(head) + " |",
+        "|---|---|" + "---|" * len(lengths),
+    ]
     for name, v in meta["variants"].items():
-        lines.append(f"| {name} | {'yes' if v['finetuned'] else 'no'} | "
-                     + " | ".join(f"{table[name][n]:.2f}" for n in lengths) + " |")
+        lines.append(
+            f"| {name} | {'yes' if v['finetuned'] else 'no'} | "
+            + " | ".join(f"{table[name][n]:.2f}" for n in lengths)
+            + " |"
+        )
     buckets = sorted({b for p in positions.values() for b in p}, key=lambda b: int(b.split("-")[0]))
     if buckets:
-        lines += ["", f"## Perplexity by token position in {lengths[-1]}-token windows", "",
-                  "| method | " + " | ".join(buckets) + " |", "|---|" + "---|" * len(buckets)]
+        lines += [
+            "",
+            f"## Perplexity by token position in {lengths[-1]}-token windows",
+            "",
+            "| method | " + " | ".join(buckets) + " |",
+            "|---|" + "---|" * len(buckets),
+        ]
         for name, p in positions.items():
             lines.append(f"| {name} | " + " | ".join(f"{p[b]:.2f}" if b in p else "-" for b in buckets) + " |")
-    lines += ["", "## Published findings", "", "| finding | paper | measured | ours | expected | holds |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Published findings",
+        "",
+        "| finding | paper | measured | ours | expected | holds |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         bound = f"{r['relation']} {r['published']:g}" + (f" (+{r['tolerance']:g})" if r["tolerance"] else "")
-        lines.append(f"| {r['finding']} | {r['paper']} | {r['result']} | {r['ours']:.3f} | {bound} | "
-                     f"{'yes' if r['pass'] else 'NO'} |")
+        lines.append(
+            f"| {r['finding']} | {r['paper']} | {r['result']} | {r['ours']:.3f} | {bound} | "
+            f"{'yes' if r['pass'] else 'NO'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -173,12 +243,21 @@ def plot(meta: dict, lengths: list[int], table: dict, positions: dict, folder: P
     folder.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, v in meta["variants"].items():
-        ax.plot(lengths, [table[name][n] for n in lengths], marker="o", linestyle="-" if v["finetuned"] else "--", label=name)
+        ax.plot(
+            lengths,
+            [table[name][n] for n in lengths],
+            marker="o",
+            linestyle="-" if v["finetuned"] else "--",
+            label=name,
+        )
     ax.axvline(meta["original_context"], color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set(xlabel="evaluation length (tokens)", ylabel="token perplexity",
-           title=f"Context extension x{meta['factor']:g} (dashed: zero-shot, solid: fine-tuned)")
+    ax.set(
+        xlabel="evaluation length (tokens)",
+        ylabel="token perplexity",
+        title=f"Context extension x{meta['factor']:g} (dashed: zero-shot, solid: fine-tuned)",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -188,12 +267,20 @@ def plot(meta: dict, lengths: list[int], table: dict, positions: dict, folder: P
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for name, p in positions.items():
             bs = sorted(p, key=lambda b: int(b.split("-")[0]))
-            ax.plot(range(len(bs)), [p[b] for b in bs], marker="o", label=name,
-                    linestyle="-" if meta["variants"][name]["finetuned"] else "--")
+            ax.plot(
+                range(len(bs)),
+                [p[b] for b in bs],
+                marker="o",
+                label=name,
+                linestyle="-" if meta["variants"][name]["finetuned"] else "--",
+            )
             ax.set_xticks(range(len(bs)), bs)
         ax.set_yscale("log")
-        ax.set(xlabel=f"token position in {lengths[-1]}-token windows", ylabel="token perplexity",
-               title="Perplexity by position")
+        ax.set(
+            xlabel=f"token position in {lengths[-1]}-token windows",
+            ylabel="token perplexity",
+            title="Perplexity by position",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
@@ -202,15 +289,24 @@ def plot(meta: dict, lengths: list[int], table: dict, positions: dict, folder: P
 
 
 def write_study(folder: Path, meta: dict, lengths: list[int], table: dict, positions: dict, rows: list[dict]) -> dict:
-    doc = {"original_context": meta["original_context"], "factor": meta["factor"], "lengths": lengths,
-           "perplexity": {n: {str(k): v for k, v in t.items()} for n, t in table.items()},
-           "positions": positions, "findings": rows}
+    doc = {
+        "original_context": meta["original_context"],
+        "factor": meta["factor"],
+        "lengths": lengths,
+        "perplexity": {n: {str(k): v for k, v in t.items()} for n, t in table.items()},
+        "positions": positions,
+        "findings": rows,
+    }
     ckpt.write_json(folder / "study.json", doc)
     (folder / "study.md").write_text(render(meta, lengths, table, positions, rows), encoding="utf-8")
-    ckpt.write_json(folder / "results.json", [
-        {k: r[k] for k in ("result", "paper", "published", "ours", "tolerance", "relation")} for r in rows])
-    ckpt.write_json(folder / "metrics.json", {"perplexity": doc["perplexity"], "findings": len(rows),
-                                              "findings_hold": sum(r["pass"] for r in rows)})
+    ckpt.write_json(
+        folder / "results.json",
+        [{k: r[k] for k in ("result", "paper", "published", "ours", "tolerance", "relation")} for r in rows],
+    )
+    ckpt.write_json(
+        folder / "metrics.json",
+        {"perplexity": doc["perplexity"], "findings": len(rows), "findings_hold": sum(r["pass"] for r in rows)},
+    )
     with open(folder / "table.csv", "w") as fh:
         fh.write("method,finetuned,length,perplexity\n")
         for name, t in table.items():
@@ -220,9 +316,15 @@ def write_study(folder: Path, meta: dict, lengths: list[int], table: dict, posit
 
 
 def main(argv=None) -> dict:
-    args, overrides = config.parse_cli(__doc__, {"extend": "data/extend_context",
-                                                 "eval": "data/eval_perplexity/extend_context",
-                                                 "output": "data/context_study"}, argv)
+    args, overrides = config.parse_cli(
+        __doc__,
+        {
+            "extend": "data/extend_context",
+            "eval": "data/eval_perplexity/extend_context",
+            "output": "data/context_study",
+        },
+        argv,
+    )
     cfg = config.load(Config, STAGE, args.params, overrides)
     extend, evaluated, output = Path(args.extend), Path(args.eval), Path(args.output)
     meta, metrics = load_inputs(extend, evaluated)
@@ -240,7 +342,10 @@ def main(argv=None) -> dict:
                 tracker.log_metrics({"findings": len(rows), "findings_hold": sum(r["pass"] for r in rows)})
                 for name in ("study.md", "study.json", "plots"):
                     tracker.log_artifact(output / name, "plots" if name == "plots" else None)
-            print(f"context_study: {sum(r['pass'] for r in rows)} of {len(rows)} published findings hold -> {output}/study.md")
+            print(
+                f"context_study: {sum(r['pass'] for r in rows)} of {len(rows)} published findings hold "
+                f"-> {output}/study.md"
+            )
         return {"lengths": lengths, "perplexity": table, "findings": rows}
     finally:
         dist.teardown()

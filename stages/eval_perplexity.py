@@ -38,6 +38,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import gc
+import itertools
 import json
 import math
 import re
@@ -53,7 +54,12 @@ import torch.nn.functional as F
 from stages.common import ckpt, config, dist, shards, track
 
 STAGE = "eval_perplexity"
-MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+MODEL_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 METRICS = ("nll", "perplexity", "bits_per_byte", "byte_perplexity", "word_perplexity", "tokens", "tokens_per_s")
 
@@ -82,10 +88,14 @@ class Config:
     def __post_init__(self):
         dist.check_precision(self.precision)
         if not self.contexts or min(self.contexts) < 1 or list(self.contexts) != sorted(set(self.contexts)):
-            raise ValueError(f"contexts must be a non-empty list of increasing positive ints, got {list(self.contexts)}")
+            raise ValueError(
+                f"contexts must be a non-empty list of increasing positive ints, got {list(self.contexts)}"
+            )
         if self.stride is not None and not 1 <= self.stride <= min(self.contexts):
-            raise ValueError(f"stride must be between 1 and the smallest context ({min(self.contexts)}), got "
-                             f"{self.stride}; null gives non-overlapping windows")
+            raise ValueError(
+                f"stride must be between 1 and the smallest context ({min(self.contexts)}), got "
+                f"{self.stride}; null gives non-overlapping windows"
+            )
         if self.batch_size < 1 or self.max_tokens < 0:
             raise ValueError("batch_size must be >= 1 and max_tokens >= 0 (0 = the whole split)")
         edges = self.position_buckets
@@ -121,7 +131,9 @@ def parse_models(items: list[str]) -> list[ModelSpec]:
         specs.append(ModelSpec(label, Path(base), Path(adapter) if adapter else None))
     for spec in specs:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", spec.label):
-            raise config.UserError(f"eval_perplexity: model label {spec.label!r} must be letters, digits, '_', '.', '-'")
+            raise config.UserError(
+                f"eval_perplexity: model label {spec.label!r} must be letters, digits, '_', '.', '-'"
+            )
     labels = [s.label for s in specs]
     if not specs or len(set(labels)) != len(labels):
         raise config.UserError(f"eval_perplexity: pass --models label=path ... with distinct labels, got {labels}")
@@ -132,14 +144,18 @@ def check_checkpoint(spec: ModelSpec):
     """The model's config, after checking that every file it needs is there (no weights are read)."""
     from transformers import AutoConfig
 
-    for folder, cfg_name, weights in ((spec.path, "config.json", MODEL_WEIGHTS),
-                                      (spec.adapter, "adapter_config.json", ADAPTER_WEIGHTS)):
+    for folder, cfg_name, weights in (
+        (spec.path, "config.json", MODEL_WEIGHTS),
+        (spec.adapter, "adapter_config.json", ADAPTER_WEIGHTS),
+    ):
         if folder is None:
             continue
         where = f"eval_perplexity: --models {spec.label}: {folder}"
         if not folder.is_dir():
-            raise config.UserError(f"{where} not found; pass an existing Hugging Face checkpoint folder "
-                                   f"(if '{spec.label}' was meant as a params key, it is not one of this stage's)")
+            raise config.UserError(
+                f"{where} not found; pass an existing Hugging Face checkpoint folder "
+                f"(if '{spec.label}' was meant as a params key, it is not one of this stage's)"
+            )
         if not (folder / cfg_name).is_file():
             raise config.UserError(f"{where} has no {cfg_name}; it is not a complete checkpoint (save_pretrained)")
         found = [w for w in weights if (folder / w).is_file()]
@@ -149,7 +165,9 @@ def check_checkpoint(spec: ModelSpec):
             shard_files = json.loads((folder / found[0]).read_text())["weight_map"].values()
             missing = sorted(f for f in set(shard_files) if not (folder / f).is_file())
             if missing:
-                raise config.UserError(f"{where} lacks {missing[0]} (listed in {found[0]}); the checkpoint is incomplete")
+                raise config.UserError(
+                    f"{where} lacks {missing[0]} (listed in {found[0]}); the checkpoint is incomplete"
+                )
     return AutoConfig.from_pretrained(spec.path)
 
 
@@ -172,7 +190,9 @@ def make_stream(ids: np.ndarray, tok, counts: tuple[int, int] | None, cfg: Confi
         counts = (len(text.encode("utf-8")), len(text.split()))
     if cfg.prepend_bos:
         if bos is None:
-            raise config.UserError("eval_perplexity: the tokenizer has no bos or eos token; set eval_perplexity.prepend_bos: false")
+            raise config.UserError(
+                "eval_perplexity: the tokenizer has no bos or eos token; set eval_perplexity.prepend_bos: false"
+            )
         ids = np.concatenate([[bos], ids])
     return Stream(torch.from_numpy(np.asarray(ids, dtype=np.int64)), *counts)
 
@@ -188,8 +208,10 @@ def shard_stream(folder: Path, cfg: Config):
     except KeyError as e:
         raise config.UserError(f"eval_perplexity: {e.args[0]}; set eval_perplexity.split") from None
     if not (folder / "tokenizer" / "tokenizer.json").is_file():
-        raise config.UserError(f"eval_perplexity: no tokenizer in {folder / 'tokenizer'} (the tokenize stage writes it "
-                               f"beside the shards); re-run tokenize, or pass --text FILE to use each model's own")
+        raise config.UserError(
+            f"eval_perplexity: no tokenizer in {folder / 'tokenizer'} (the tokenize stage writes it "
+            f"beside the shards); re-run tokenize, or pass --text FILE to use each model's own"
+        )
     tok = AutoTokenizer.from_pretrained(folder / "tokenizer")
     split = meta["splits"][cfg.split]
     return make_stream(ids, tok, (split["bytes"], split["words"]), cfg, meta["bos_token_id"]), tok
@@ -209,27 +231,37 @@ def prepare(specs: list[ModelSpec], cfg: Config, shards_dir: Path, text: Path | 
         raise config.UserError(f"eval_perplexity: --text {text} not found")
     shared, shared_tok = shard_stream(shards_dir, cfg) if text is None else (None, None)
     streams = {}
-    for spec, mcfg in zip(specs, model_configs):
+    for spec, mcfg in zip(specs, model_configs, strict=True):
         limit = getattr(mcfg, "max_position_embeddings", None)
         if limit and max(cfg.contexts) > limit and not cfg.extrapolate:
-            raise config.UserError(f"eval_perplexity: context {max(cfg.contexts)} is longer than model '{spec.label}' "
-                                   f"was configured for ({limit} positions); set eval_perplexity.extrapolate: true "
-                                   f"to evaluate beyond it, or lower eval_perplexity.contexts")
+            raise config.UserError(
+                f"eval_perplexity: context {max(cfg.contexts)} is longer than model '{spec.label}' "
+                f"was configured for ({limit} positions); set eval_perplexity.extrapolate: true "
+                f"to evaluate beyond it, or lower eval_perplexity.contexts"
+            )
         tok = model_tokenizer(spec)
         if text is not None and tok is None:
-            raise config.UserError(f"eval_perplexity: --text needs the model's tokenizer; none in {spec.adapter or spec.path}")
+            raise config.UserError(
+                f"eval_perplexity: --text needs the model's tokenizer; none in {spec.adapter or spec.path}"
+            )
         if shared_tok is not None and tok is not None and tok.get_vocab() != shared_tok.get_vocab():
-            raise config.UserError(f"eval_perplexity: model '{spec.label}' has a different tokenizer from "
-                                   f"{shards_dir}/tokenizer; evaluate it with --text or its own shards")
+            raise config.UserError(
+                f"eval_perplexity: model '{spec.label}' has a different tokenizer from "
+                f"{shards_dir}/tokenizer; evaluate it with --text or its own shards"
+            )
         stream = shared if text is None else text_stream(text, tok, cfg)
         vocab = len(shared_tok if text is None else tok)
         if vocab > mcfg.vocab_size or int(stream.ids.max()) >= mcfg.vocab_size:
-            raise config.UserError(f"eval_perplexity: tokenizer vocab ({vocab} ids) does not fit model '{spec.label}' "
-                                   f"(config.vocab_size {mcfg.vocab_size}); use the tokenizer the model was trained with")
+            raise config.UserError(
+                f"eval_perplexity: tokenizer vocab ({vocab} ids) does not fit model '{spec.label}' "
+                f"(config.vocab_size {mcfg.vocab_size}); use the tokenizer the model was trained with"
+            )
         if len(stream.ids) <= max(cfg.contexts):
-            raise config.UserError(f"eval_perplexity: the split has {len(stream.ids)} tokens, fewer than one window of "
-                                   f"context {max(cfg.contexts)} plus its next token; lower eval_perplexity.contexts, "
-                                   f"raise eval_perplexity.max_tokens (0 = all) or use a longer split")
+            raise config.UserError(
+                f"eval_perplexity: the split has {len(stream.ids)} tokens, fewer than one window of "
+                f"context {max(cfg.contexts)} plus its next token; lower eval_perplexity.contexts, "
+                f"raise eval_perplexity.max_tokens (0 = all) or use a longer split"
+            )
         streams[spec.label] = stream
     return streams
 
@@ -262,7 +294,7 @@ def batches(windows: list, size: int):
 def evaluate(model, ids: torch.Tensor, context: int, stride: int, batch_size: int, rt: dist.Runtime) -> torch.Tensor:
     """(2, context) float64: NLL sum and scored-token count per prediction position, summed over ranks."""
     plan = plan_windows(len(ids), context, stride)
-    mine = plan[rt.rank * len(plan) // rt.world_size:(rt.rank + 1) * len(plan) // rt.world_size]
+    mine = plan[rt.rank * len(plan) // rt.world_size : (rt.rank + 1) * len(plan) // rt.world_size]
     sums = torch.zeros(2, context, dtype=torch.float64, device=rt.device)
     for batch in batches(mine, batch_size):
         length, first = batch[0][1], min(w[2] for w in batch)
@@ -270,7 +302,7 @@ def evaluate(model, ids: torch.Tensor, context: int, stride: int, batch_size: in
         rows = torch.tensor([w[0] for w in batch])[:, None] + torch.arange(length + 1)
         tokens = ids[rows].to(rt.device, non_blocking=True)  # (B, length + 1)
         logits = model(input_ids=tokens[:, :-1], logits_to_keep=keep, use_cache=False).logits  # (B, keep, V)
-        nll = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, first + 1:].flatten(), reduction="none")
+        nll = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, first + 1 :].flatten(), reduction="none")
         nll = nll.view(len(batch), keep).double()
         pos = torch.arange(first, length, device=rt.device)
         scored = pos[None, :] >= torch.tensor([w[2] for w in batch], device=rt.device)[:, None]  # (B, keep)
@@ -288,9 +320,14 @@ def safe_exp(x: float) -> float:
 
 def summarize(nll_sum: float, tokens: int, n_bytes: int, n_words: int) -> dict:
     """Token, byte and word figures from the total NLL (nats), as lm-evaluation-harness defines them."""
-    return {"nll": nll_sum / tokens, "perplexity": safe_exp(nll_sum / tokens),
-            "bits_per_byte": nll_sum / (n_bytes * math.log(2)), "byte_perplexity": safe_exp(nll_sum / n_bytes),
-            "word_perplexity": safe_exp(nll_sum / n_words) if n_words else math.nan, "tokens": tokens}
+    return {
+        "nll": nll_sum / tokens,
+        "perplexity": safe_exp(nll_sum / tokens),
+        "bits_per_byte": nll_sum / (n_bytes * math.log(2)),
+        "byte_perplexity": safe_exp(nll_sum / n_bytes),
+        "word_perplexity": safe_exp(nll_sum / n_words) if n_words else math.nan,
+        "tokens": tokens,
+    }
 
 
 def position_buckets(sums: torch.Tensor, edges: tuple[int, ...]) -> dict:
@@ -298,7 +335,7 @@ def position_buckets(sums: torch.Tensor, edges: tuple[int, ...]) -> dict:
     context = sums.shape[1]
     bounds = [0, *[e for e in edges if e < context], context]
     out = {}
-    for lo, hi in zip(bounds, bounds[1:]):
+    for lo, hi in itertools.pairwise(bounds):
         nll, n = sums[0, lo:hi].sum().item(), int(sums[1, lo:hi].sum().item())
         if n:
             out[f"{lo}-{hi}"] = {"nll": nll / n, "perplexity": safe_exp(nll / n), "tokens": n}
@@ -371,24 +408,40 @@ def run(specs, streams, cfg: Config, output: Path, rt: dist.Runtime, tracker: tr
                 sums = evaluate(model, stream.ids, context, stride, cfg.batch_size, rt).cpu()
                 seconds = time.perf_counter() - t0
                 tokens = int(sums[1].sum().item())
-                m = {**summarize(sums[0].sum().item(), tokens, stream.bytes, stream.words),
-                     "tokens_per_s": tokens / max(seconds, 1e-9), "context": context, "stride": stride}
+                m = {
+                    **summarize(sums[0].sum().item(), tokens, stream.bytes, stream.words),
+                    "tokens_per_s": tokens / max(seconds, 1e-9),
+                    "context": context,
+                    "stride": stride,
+                }
                 if cfg.position_buckets:
                     m["buckets"] = position_buckets(sums, cfg.position_buckets)
                 results[f"ctx{context}"] = m
-                dist.print0(f"eval_perplexity: {spec.label} context {context} stride {stride}: perplexity "
-                            f"{m['perplexity']:.4f}, {m['bits_per_byte']:.4f} bits/byte, {tokens:,} tokens, "
-                            f"{m['tokens_per_s']:,.0f} tokens/s", rt=rt)
+                dist.print0(
+                    f"eval_perplexity: {spec.label} context {context} stride {stride}: perplexity "
+                    f"{m['perplexity']:.4f}, {m['bits_per_byte']:.4f} bits/byte, {tokens:,} tokens, "
+                    f"{m['tokens_per_s']:,.0f} tokens/s",
+                    rt=rt,
+                )
                 tracker.log_metrics({f"{spec.label}.{k}": v for k, v in m.items() if k in METRICS}, step=context)
-                tracker.log_metrics({f"{spec.label}.perplexity_pos_{b}": v["perplexity"]
-                                     for b, v in m.get("buckets", {}).items()}, step=context)
+                tracker.log_metrics(
+                    {f"{spec.label}.perplexity_pos_{b}": v["perplexity"] for b, v in m.get("buckets", {}).items()},
+                    step=context,
+                )
             del model  # before the next model loads
             gc.collect()
         if rt.is_main:
             write_outputs(metrics, tmp)
             # Kernels (and so the last digits of the perplexities) depend on the CPU and the dtype.
-            ckpt.write_json(tmp / "meta.json", {"compute_dtype": str(dtype), "world_size": rt.world_size,
-                                                "git_commit": track.git_commit(), "cpu": dist.cpu_info()})
+            ckpt.write_json(
+                tmp / "meta.json",
+                {
+                    "compute_dtype": str(dtype),
+                    "world_size": rt.world_size,
+                    "git_commit": track.git_commit(),
+                    "cpu": dist.cpu_info(),
+                },
+            )
     if rt.is_main:
         for name in ("metrics.json", "meta.json", "table.csv", "plots"):
             tracker.log_artifact(output / name, "plots" if name == "plots" else None)
@@ -398,7 +451,8 @@ def run(specs, streams, cfg: Config, output: Path, rt: dist.Runtime, tracker: tr
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, overrides = config.parse_cli(
-        __doc__, {"models": [], "input": "data/tokenize", "text": "", "output": ""}, argv)
+        __doc__, {"models": [], "input": "data/tokenize", "text": "", "output": ""}, argv
+    )
     # `label=path` model specs look like overrides to the shared parser; params keys tell them apart.
     keys = {f.name for f in dataclasses.fields(Config)}
     is_key = lambda item: item.partition("=")[0].removeprefix(f"{STAGE}.") in keys  # noqa: E731

@@ -100,13 +100,15 @@ class Config:
         if not self.factor > 1:
             raise ValueError(f"factor must be greater than 1 (the context grows s-fold), got {self.factor}")
         if self.original_context < 0:
-            raise ValueError(f"original_context must be >= 0 (0 = the base model's max_position_embeddings)")
+            raise ValueError("original_context must be >= 0 (0 = the base model's max_position_embeddings)")
         for name, spec in self.variants.items():
             check_variant(name, spec)
         unknown = [n for n in self.finetune if n != UNSCALED and n not in self.variants]
         if unknown or len(set(self.finetune)) != len(self.finetune):
-            raise ValueError(f"finetune: {unknown[0] if unknown else 'a repeated name'} is not a variant; valid: "
-                             f"{', '.join([UNSCALED, *self.variants])}, each at most once")
+            raise ValueError(
+                f"finetune: {unknown[0] if unknown else 'a repeated name'} is not a variant; valid: "
+                f"{', '.join([UNSCALED, *self.variants])}, each at most once"
+            )
         if self.strategy not in loop.STRATEGIES:
             raise ValueError(f"strategy: unknown strategy {self.strategy!r}; valid: {', '.join(loop.STRATEGIES)}")
         loop.check_compile_mode(self.compile_mode)
@@ -117,7 +119,9 @@ class Config:
 def check_variant(name: str, spec) -> None:
     where = f"variants.{name}"
     if name == UNSCALED or name.endswith("-ft") or not name.replace("_", "").replace("-", "").isalnum():
-        raise ValueError(f"{where}: a variant name is letters, digits, '_' or '-', not '{UNSCALED}' and not ending in '-ft'")
+        raise ValueError(
+            f"{where}: a variant name is letters, digits, '_' or '-', not '{UNSCALED}' and not ending in '-ft'"
+        )
     if not isinstance(spec, dict) or "rope_type" not in spec:
         raise ValueError(f"{where} must be a mapping with a rope_type ({' | '.join(ROPE_TYPES)}), got {spec!r}")
     rope_type = spec["rope_type"]
@@ -129,8 +133,10 @@ def check_variant(name: str, spec) -> None:
         raise ValueError(f"{where}: rope_type {rope_type} needs {', '.join(required)}; add {missing[0]}")
     extra = sorted(set(spec) - {"rope_type", *required, *optional})
     if extra:
-        raise ValueError(f"{where}.{extra[0]}: not a key of rope_type {rope_type}; "
-                         f"valid: {', '.join([*required, *optional]) or 'none besides rope_type'}")
+        raise ValueError(
+            f"{where}.{extra[0]}: not a key of rope_type {rope_type}; "
+            f"valid: {', '.join([*required, *optional]) or 'none besides rope_type'}"
+        )
     if rope_type == "llama3" and not 0 < spec["low_freq_factor"] < spec["high_freq_factor"]:
         raise ValueError(f"{where}: llama3 needs 0 < low_freq_factor < high_freq_factor")
 
@@ -164,20 +170,28 @@ def check_inputs(base: Path, data: Path, cfg: Config):
 
     if not (base / "config.json").is_file():
         raise config.UserError(f"extend_context: {base} has no config.json; pass --base a Hugging Face model folder")
-    if not any((base / w).is_file() for w in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")):
-        raise config.UserError(f"extend_context: {base} has no weights (model.safetensors); the checkpoint is incomplete")
+    if not any(
+        (base / w).is_file() for w in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+    ):
+        raise config.UserError(
+            f"extend_context: {base} has no weights (model.safetensors); the checkpoint is incomplete"
+        )
     base_config = AutoConfig.from_pretrained(base)
     rope_type = (base_config.rope_parameters or {}).get("rope_type", "default")
     if rope_type != "default":
-        raise config.UserError(f"extend_context: {base} already uses RoPE scaling ({rope_type}); extend an unscaled model")
+        raise config.UserError(
+            f"extend_context: {base} already uses RoPE scaling ({rope_type}); extend an unscaled model"
+        )
     original = cfg.original_context or base_config.max_position_embeddings
     try:
         meta = shards.read_meta(data)
     except FileNotFoundError as e:
         raise config.UserError(f"extend_context: {e}") from None
     if meta["vocab_size"] > base_config.vocab_size:
-        raise config.UserError(f"extend_context: the shards in {data} use {meta['vocab_size']} token ids but the base "
-                               f"model has {base_config.vocab_size}; use the tokenizer the base model was trained with")
+        raise config.UserError(
+            f"extend_context: the shards in {data} use {meta['vocab_size']} token ids but the base "
+            f"model has {base_config.vocab_size}; use the tokenizer the base model was trained with"
+        )
     if cfg.finetune:
         for split in ("train", "val"):
             try:
@@ -187,8 +201,10 @@ def check_inputs(base: Path, data: Path, cfg: Config):
         context = int(round(cfg.factor * original))
         n = min(meta["splits"][s]["tokens"] for s in ("train", "val"))
         if n < context + 2:
-            raise config.UserError(f"extend_context: a split of {data} has {n} tokens, fewer than one fine-tuning "
-                                   f"window of {context + 1}; lower extend_context.factor or use a longer corpus")
+            raise config.UserError(
+                f"extend_context: a split of {data} has {n} tokens, fewer than one fine-tuning "
+                f"window of {context + 1}; lower extend_context.factor or use a longer corpus"
+            )
     return base_config, original
 
 
@@ -202,8 +218,18 @@ class PrefixedTracker:
         self.tracker.log_metrics({f"{self.prefix}.{k}": v for k, v in metrics.items()}, step=step)
 
 
-def finetune(name: str, model_config, base: Path, data: Path, cfg: Config, lcfg: loop.LoopConfig, inputs_hash: str,
-             rt: dist.Runtime, tracker, stop: dist.StopFlag) -> dict | None:
+def finetune(
+    name: str,
+    model_config,
+    base: Path,
+    data: Path,
+    cfg: Config,
+    lcfg: loop.LoopConfig,
+    inputs_hash: str,
+    rt: dist.Runtime,
+    tracker,
+    stop: dist.StopFlag,
+) -> dict | None:
     """Fine-tune one variant at s x L; its final weights end in <checkpoints>/final/ (HF format).
     Returns the run's summary, or None when SIGTERM stopped it (a checkpoint holds the progress)."""
     folder = ckpt.checkpoint_dir(STAGE, {**config.as_dict(cfg), "variant": name}, inputs_hash)
@@ -211,8 +237,18 @@ def finetune(name: str, model_config, base: Path, data: Path, cfg: Config, lcfg:
         return _finetune(name, model_config, base, data, cfg, lcfg, folder, rt, tracker, stop)
 
 
-def _finetune(name: str, model_config, base: Path, data: Path, cfg: Config, lcfg: loop.LoopConfig, folder: Path,
-              rt: dist.Runtime, tracker, stop: dist.StopFlag) -> dict | None:
+def _finetune(
+    name: str,
+    model_config,
+    base: Path,
+    data: Path,
+    cfg: Config,
+    lcfg: loop.LoopConfig,
+    folder: Path,
+    rt: dist.Runtime,
+    tracker,
+    stop: dist.StopFlag,
+) -> dict | None:
     from transformers import AutoModelForCausalLM
 
     final = folder / "final"
@@ -222,18 +258,34 @@ def _finetune(name: str, model_config, base: Path, data: Path, cfg: Config, lcfg
     dist.seed_everything(cfg.seed)
     # fp32 master weights everywhere; on GPU the loop computes in bf16 under autocast.
     model = AutoModelForCausalLM.from_pretrained(base, config=model_config, dtype=torch.float32)
-    result = loop.train(model, shards.load_split(data, "train"), shards.load_split(data, "val"), lcfg, rt, folder,
-                        PrefixedTracker(tracker, name), stop)
+    result = loop.train(
+        model,
+        shards.load_split(data, "train"),
+        shards.load_split(data, "val"),
+        lcfg,
+        rt,
+        folder,
+        PrefixedTracker(tracker, name),
+        stop,
+    )
     if result["stopped"]:
         return None
     state = loop.full_state_dict(result["model"], rt)
     del result["model"], model
     gc.collect()
     hist = result["history"]
-    summary = {"final_train_loss": hist["loss"][-1],
-               "final_val_loss": hist["val_loss"][-1] if hist["val_loss"] else None,
-               "tokens_per_s": result["tokens_per_s"], "steps": hist["step"][-1],
-               "history": {"step": hist["step"], "loss": hist["loss"], "val_step": hist["val_step"], "val_loss": hist["val_loss"]}}
+    summary = {
+        "final_train_loss": hist["loss"][-1],
+        "final_val_loss": hist["val_loss"][-1] if hist["val_loss"] else None,
+        "tokens_per_s": result["tokens_per_s"],
+        "steps": hist["step"][-1],
+        "history": {
+            "step": hist["step"],
+            "loss": hist["loss"],
+            "val_step": hist["val_step"],
+            "val_loss": hist["val_loss"],
+        },
+    }
     with ckpt.atomic_dir(final, rt) as tmp:
         if rt.is_main:
             trained = AutoModelForCausalLM.from_config(model_config)
@@ -267,8 +319,8 @@ def plot_finetunes(summaries: dict, folder: Path) -> None:
     with open(folder / "finetune_loss.csv", "w") as fh:
         fh.write("variant,step,train_loss,val_loss\n")
         for name, s in summaries.items():
-            val = dict(zip(s["history"]["val_step"], s["history"]["val_loss"]))
-            for step, loss in zip(s["history"]["step"], s["history"]["loss"]):
+            val = dict(zip(s["history"]["val_step"], s["history"]["val_loss"], strict=True))
+            for step, loss in zip(s["history"]["step"], s["history"]["loss"], strict=True):
                 fh.write(f"{name},{step},{loss:.6f},{'' if step not in val else f'{val[step]:.6f}'}\n")
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, s in summaries.items():
@@ -281,8 +333,16 @@ def plot_finetunes(summaries: dict, folder: Path) -> None:
     plt.close(fig)
 
 
-def publish(tmp: Path, base: Path, configs: dict, summaries: dict, finals: dict, cfg: Config, original: int,
-            device: torch.device) -> dict:
+def publish(
+    tmp: Path,
+    base: Path,
+    configs: dict,
+    summaries: dict,
+    finals: dict,
+    cfg: Config,
+    original: int,
+    device: torch.device,
+) -> dict:
     """Write every variant (rank 0): zero-shot ones are the base weights with a new config.json."""
     weights_and_config = ("config.json",)
     variants = {}
@@ -296,26 +356,46 @@ def publish(tmp: Path, base: Path, configs: dict, summaries: dict, finals: dict,
         copy_model_files(base, dest, skip=weights_and_config)
         copy_model_files(final, dest, skip=("summary.json",))
         variants[f"{name}-ft"] = {"method": name, "finetuned": True}
-    for name, v in variants.items():
+    for v in variants.values():
         c = configs[v["method"]]
         v.update(rope_parameters=c.rope_parameters, max_position_embeddings=c.max_position_embeddings)
-    meta = {"base": str(base), "original_context": original, "factor": cfg.factor,
-            "extended_context": int(round(cfg.factor * original)), "finetune_steps": cfg.steps,
-            "variants": variants, "order": list(variants), "git_commit": track.git_commit(),
-            "compute_dtype": str(dist.compute_dtype(device, cfg.precision)),
-            "cpu": dist.cpu_info()}
+    meta = {
+        "base": str(base),
+        "original_context": original,
+        "factor": cfg.factor,
+        "extended_context": int(round(cfg.factor * original)),
+        "finetune_steps": cfg.steps,
+        "variants": variants,
+        "order": list(variants),
+        "git_commit": track.git_commit(),
+        "compute_dtype": str(dist.compute_dtype(device, cfg.precision)),
+        "cpu": dist.cpu_info(),
+    }
     ckpt.write_json(tmp / "meta.json", meta)
-    metrics = {"extended_context": meta["extended_context"],
-               **{f"{n}-ft": {k: s[k] for k in ("final_train_loss", "final_val_loss", "tokens_per_s")}
-                  for n, s in summaries.items()}}
+    metrics = {
+        "extended_context": meta["extended_context"],
+        **{
+            f"{n}-ft": {k: s[k] for k in ("final_train_loss", "final_val_loss", "tokens_per_s")}
+            for n, s in summaries.items()
+        },
+    }
     ckpt.write_json(tmp / "metrics.json", metrics)
     if summaries:
         plot_finetunes({f"{n}-ft": s for n, s in summaries.items()}, tmp / "plots")
     return meta
 
 
-def run(base: Path, data: Path, output: Path, cfg: Config, configs: dict, lcfg: loop.LoopConfig, original: int,
-        rt: dist.Runtime, stop: dist.StopFlag) -> dict | None:
+def run(
+    base: Path,
+    data: Path,
+    output: Path,
+    cfg: Config,
+    configs: dict,
+    lcfg: loop.LoopConfig,
+    original: int,
+    rt: dist.Runtime,
+    stop: dist.StopFlag,
+) -> dict | None:
     inputs_hash = dist.broadcast_object(ckpt.hash_files([base, data]) if rt.is_main else None)
     summaries, finals = {}, {}
     with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"base": str(base)}) as tracker:
@@ -344,7 +424,8 @@ def run(base: Path, data: Path, output: Path, cfg: Config, configs: dict, lcfg: 
 
 def main(argv=None) -> dict:
     args, overrides = config.parse_cli(
-        __doc__, {"base": "data/pretrain/model", "input": "data/tokenize", "output": "data/extend_context"}, argv)
+        __doc__, {"base": "data/pretrain/model", "input": "data/tokenize", "output": "data/extend_context"}, argv
+    )
     cfg = config.load(Config, STAGE, args.params, overrides)
     base, data, output = Path(args.base), Path(args.input), Path(args.output)
     base_config, original = check_inputs(base, data, cfg)
@@ -363,8 +444,11 @@ def main(argv=None) -> dict:
         dist.teardown()
     if out is None:
         raise SystemExit(143)  # preempted: a checkpoint holds the progress; re-running resumes from it
-    dist.print0(f"extend_context: {len(out['meta']['variants'])} variants for context "
-                f"{out['meta']['extended_context']} (L = {original}, s = {cfg.factor:g}) -> {output}/model", rt=rt)
+    dist.print0(
+        f"extend_context: {len(out['meta']['variants'])} variants for context "
+        f"{out['meta']['extended_context']} (L = {original}, s = {cfg.factor:g}) -> {output}/model",
+        rt=rt,
+    )
     return out
 
 

@@ -50,7 +50,12 @@ from stages.common import ckpt, config, dist, instructions, loop, track
 STAGE = "finetune_qlora"
 QUANTIZATIONS = ("nf4", "none")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 # QLoRA (Dettmers et al. 2023), section 3: NF4 with double quantization stores 4 + 0.127 bits per weight.
 NF4_BITS_PER_WEIGHT = 4.127
 
@@ -62,7 +67,7 @@ class Config:
     quantization: str
     """nf4 (QLoRA: 4-bit NormalFloat base, double quantization) | none (LoRA on the unquantized base)."""
     quant_storage: str
-    """dtype the packed 4-bit weights are stored in: auto (= compute dtype, what FSDP can shard), float32, bfloat16, uint8."""
+    """dtype of the packed 4-bit weights: auto (= compute dtype, what FSDP can shard), float32, bfloat16, uint8."""
     double_quant: bool
     """Quantize the quantization constants too (QLoRA's double quantization)."""
     lora_r: int
@@ -140,24 +145,32 @@ def check_base(cfg: Config) -> dict:
     path = Path(cfg.base)
     if path.exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", cfg.base):  # a folder, not an org/name hub id
         if not (path / "config.json").is_file():
-            raise config.UserError(f"finetune_qlora.base: {path} holds no config.json; run the pretrain stage first "
-                                   f"or set finetune_qlora.base to a model folder or hub id")
+            raise config.UserError(
+                f"finetune_qlora.base: {path} holds no config.json; run the pretrain stage first "
+                f"or set finetune_qlora.base to a model folder or hub id"
+            )
         if not any((path / w).is_file() for w in WEIGHT_FILES):
-            raise config.UserError(f"finetune_qlora.base: {path} has no weights ({' or '.join(WEIGHT_FILES[:2])}); "
-                                   f"re-run the stage that wrote it or point base at a complete model folder")
+            raise config.UserError(
+                f"finetune_qlora.base: {path} has no weights ({' or '.join(WEIGHT_FILES[:2])}); "
+                f"re-run the stage that wrote it or point base at a complete model folder"
+            )
     try:
         mc = AutoConfig.from_pretrained(cfg.base)
     except OSError as e:
-        raise config.UserError(f"finetune_qlora.base: cannot load {cfg.base!r} ({str(e).splitlines()[0]}); "
-                               f"give a model folder or a hub model id") from None
+        raise config.UserError(
+            f"finetune_qlora.base: cannot load {cfg.base!r} ({str(e).splitlines()[0]}); "
+            f"give a model folder or a hub model id"
+        ) from None
     if "all-linear" not in cfg.target_modules:
         with torch.device("meta"):
             shell = AutoModelForCausalLM.from_config(mc)
         linear = {name.rsplit(".", 1)[-1] for name, m in shell.named_modules() if isinstance(m, torch.nn.Linear)}
         unknown = [t for t in cfg.target_modules if t not in linear]
         if unknown:
-            raise config.UserError(f"finetune_qlora.target_modules: {', '.join(unknown)} match no linear layer of "
-                                   f"{cfg.base}; its linear layers are {', '.join(sorted(linear))} (or use [all-linear])")
+            raise config.UserError(
+                f"finetune_qlora.target_modules: {', '.join(unknown)} match no linear layer of "
+                f"{cfg.base}; its linear layers are {', '.join(sorted(linear))} (or use [all-linear])"
+            )
     return mc.to_dict()
 
 
@@ -168,7 +181,9 @@ def check_parallelism(cfg: Config, rt: dist.Runtime) -> None:
     if cfg.quantization == "nf4" and cfg.strategy == "fsdp" and rt.distributed and storage != compute:
         raise config.UserError(
             f"finetune_qlora.quant_storage={cfg.quant_storage}: FSDP cannot shard {storage} packed weights beside "
-            f"{compute} parameters; set quant_storage: auto ({str(compute).removeprefix('torch.')} here) or strategy: ddp")
+            f"{compute} parameters; set quant_storage: auto ({str(compute).removeprefix('torch.')} here) "
+            "or strategy: ddp"
+        )
 
 
 def load_base(cfg: Config, device: torch.device, quantized: bool):
@@ -178,8 +193,12 @@ def load_base(cfg: Config, device: torch.device, quantized: bool):
     kwargs = {"dtype": dtype, "device_map": {"": device}}
     if quantized:
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=cfg.double_quant,
-            bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=storage_dtype(cfg, device))
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=cfg.double_quant,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=storage_dtype(cfg, device),
+        )
     model = AutoModelForCausalLM.from_pretrained(cfg.base, **kwargs)
     if quantized:
         keep_4bit_layout(model)
@@ -205,8 +224,10 @@ def keep_4bit_layout(model) -> None:
         # bitsandbytes' inverse of the repacking does not restore the per-block constants exactly, so a
         # repacked weight is refused, not unpacked: load the base afresh.
         if cpu_packed(mod):
-            raise RuntimeError(f"finetune_qlora: {name} was repacked for bitsandbytes' CPU inference kernel before "
-                               f"training; load the base model afresh (load_base) instead of reusing an evaluated one")
+            raise RuntimeError(
+                f"finetune_qlora: {name} was repacked for bitsandbytes' CPU inference kernel before "
+                f"training; load the base model afresh (load_base) instead of reusing an evaluated one"
+            )
         mod.support_avx512bf16_for_cpu = False  # the switch Linear4bit.forward reads before repacking
         # before the call (a repack from outside forward) and after it (a repack inside forward)
         mod.register_forward_pre_hook(functools.partial(_refuse_cpu_packing, name=name))
@@ -222,17 +243,24 @@ def _refuse_cpu_packing(layer, *args, name: str):
     if cpu_packed(layer):
         import bitsandbytes
 
-        raise RuntimeError(f"finetune_qlora: bitsandbytes {bitsandbytes.__version__} repacked the 4-bit weight of "
-                           f"{name} for its CPU inference kernel (bf16, no backward), which would corrupt training; "
-                           f"use the bitsandbytes version in requirements.lock")
+        raise RuntimeError(
+            f"finetune_qlora: bitsandbytes {bitsandbytes.__version__} repacked the 4-bit weight of "
+            f"{name} for its CPU inference kernel (bf16, no backward), which would corrupt training; "
+            f"use the bitsandbytes version in requirements.lock"
+        )
 
 
 def lora_config(cfg: Config):
     from peft import LoraConfig
 
     targets = "all-linear" if "all-linear" in cfg.target_modules else list(cfg.target_modules)
-    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
 
 
 def add_adapters(model, cfg: Config):
@@ -279,7 +307,9 @@ def save_adapter_and_merged(tmp: Path, adapter_sd: dict, cfg: Config, tok, devic
     missing, unexpected = model.load_state_dict(adapter_sd, strict=False)
     lora_missing = [k for k in missing if "lora_" in k]
     if unexpected or lora_missing or not adapter_sd:
-        raise RuntimeError(f"adapter state does not fit the model: unexpected {unexpected[:3]}, missing {lora_missing[:3]}")
+        raise RuntimeError(
+            f"adapter state does not fit the model: unexpected {unexpected[:3]}, missing {lora_missing[:3]}"
+        )
     lora = model.peft_config["default"]
     lora.target_modules = sorted(lora.target_modules)  # a set after all-linear: saved sorted, the file is reproducible
     model.save_pretrained(tmp / "adapter")
@@ -300,12 +330,14 @@ def write_plots(tmp: Path, hist: dict, cfg: Config) -> None:
     import matplotlib.pyplot as plt
 
     loop.write_curves(tmp / "plots", hist, "eval_loss")
-    val = dict(zip(hist["val_step"], hist["val_loss"]))
+    val = dict(zip(hist["val_step"], hist["val_loss"], strict=True))
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(hist["step"], hist["loss"], label="train (response tokens)")
     if val:
         ax.plot(list(val), list(val.values()), "o-", label="eval")
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"finetune_qlora: LoRA r={cfg.lora_r}, base {cfg.quantization}")
+    ax.set(
+        xlabel="step", ylabel="loss (nats/token)", title=f"finetune_qlora: LoRA r={cfg.lora_r}, base {cfg.quantization}"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(tmp / "plots/loss.png", dpi=100)
@@ -315,14 +347,21 @@ def write_plots(tmp: Path, hist: dict, cfg: Config) -> None:
 def result_rows(cfg: Config, metrics: dict) -> list[dict]:
     if cfg.quantization != "nf4" or not cfg.double_quant:
         return []
-    return [{"result": "NF4 + double quantization: linear-layer weight memory / 16-bit",
-             "paper": "Dettmers et al. 2023 (QLoRA), section 3", "published": round(NF4_BITS_PER_WEIGHT / 16, 4),
-             "ours": round(metrics["linear_weight_fraction_of_16bit"], 4), "tolerance": 0.01}]
+    return [
+        {
+            "result": "NF4 + double quantization: linear-layer weight memory / 16-bit",
+            "paper": "Dettmers et al. 2023 (QLoRA), section 3",
+            "published": round(NF4_BITS_PER_WEIGHT / 16, 4),
+            "ours": round(metrics["linear_weight_fraction_of_16bit"], 4),
+            "tolerance": 0.01,
+        }
+    ]
 
 
 # ------------------------------------------------------------------------------------------------- run
-def run(cfg: Config, records: list[dict], records_path: Path, output: Path, rt: dist.Runtime,
-        stop: dist.StopFlag) -> dict:
+def run(
+    cfg: Config, records: list[dict], records_path: Path, output: Path, rt: dist.Runtime, stop: dist.StopFlag
+) -> dict:
     """Train and publish. The wrapped model lives only in here (it must be gone before teardown)."""
     from transformers import AutoTokenizer
 
@@ -330,8 +369,10 @@ def run(cfg: Config, records: list[dict], records_path: Path, output: Path, rt: 
     tok = AutoTokenizer.from_pretrained(cfg.base)
     inputs, targets, dropped = instructions.encode(records, tok, cfg.template, cfg.seq_length)
     if len(inputs) < 2:
-        raise config.UserError(f"finetune_qlora: only {len(inputs)} of {len(records)} records leave room for a response "
-                               f"in seq_length={cfg.seq_length} tokens; raise seq_length")
+        raise config.UserError(
+            f"finetune_qlora: only {len(inputs)} of {len(records)} records leave room for a response "
+            f"in seq_length={cfg.seq_length} tokens; raise seq_length"
+        )
     train_rows, eval_rows = instructions.split(len(inputs), cfg.eval_fraction, cfg.seed)
     train_src = instructions.Records(inputs[train_rows], targets[train_rows], cfg.batch_size, cfg.seed)
     eval_src = instructions.Records(inputs[eval_rows], targets[eval_rows], cfg.batch_size, cfg.seed)
@@ -345,11 +386,16 @@ def run(cfg: Config, records: list[dict], records_path: Path, output: Path, rt: 
     linear_bytes, linear_weights = linear_weight_memory(model)
     model = add_adapters(model, cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    dist.print0(f"finetune_qlora: {len(train_src)} train / {len(eval_src)} eval records ({dropped} too long), "
-                f"{trainable / 1e6:.3f}M trainable parameters, base {cfg.quantization}", rt=rt)
+    dist.print0(
+        f"finetune_qlora: {len(train_src)} train / {len(eval_src)} eval records ({dropped} too long), "
+        f"{trainable / 1e6:.3f}M trainable parameters, base {cfg.quantization}",
+        rt=rt,
+    )
     # The checkpoint folder is this run's until it has published and discarded it (ckpt.exclusive).
-    with ckpt.exclusive(ckpt_folder, rt), \
-            track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"checkpoints": str(ckpt_folder)}) as tracker:
+    with (
+        ckpt.exclusive(ckpt_folder, rt),
+        track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"checkpoints": str(ckpt_folder)}) as tracker,
+    ):
         result = loop.train(model, train_src, eval_src, lcfg, rt, ckpt_folder, tracker, stop)
         if result["stopped"]:
             tracker.set_tags({"stopped_by": stop.signal or "SIGTERM", "resume_from": str(ckpt_folder)})
@@ -366,23 +412,39 @@ def run(cfg: Config, records: list[dict], records_path: Path, output: Path, rt: 
         del model, result["model"]
         gc.collect()
         metrics = {
-            "eval_loss": eval_loss, "final_train_loss": hist["loss"][-1], "tokens_per_s": result["tokens_per_s"],
-            "peak_memory_mb": peak, "linear_weight_mb": linear_bytes / 2**20,
+            "eval_loss": eval_loss,
+            "final_train_loss": hist["loss"][-1],
+            "tokens_per_s": result["tokens_per_s"],
+            "peak_memory_mb": peak,
+            "linear_weight_mb": linear_bytes / 2**20,
             "linear_weight_bits_per_weight": 8 * linear_bytes / linear_weights,
             "linear_weight_fraction_of_16bit": linear_bytes / (2 * linear_weights),
-            "trainable_parameters": trainable, "train_records": len(train_src), "eval_records": len(eval_src),
+            "trainable_parameters": trainable,
+            "train_records": len(train_src),
+            "eval_records": len(eval_src),
         }
-        tracker.log_metrics({k: metrics[k] for k in ("eval_loss", "peak_memory_mb", "linear_weight_mb")}, step=cfg.steps)
+        tracker.log_metrics(
+            {k: metrics[k] for k in ("eval_loss", "peak_memory_mb", "linear_weight_mb")}, step=cfg.steps
+        )
         with ckpt.atomic_dir(output, rt) as tmp:
             if rt.is_main:
                 save_adapter_and_merged(tmp, adapter_sd, cfg, tok, rt.device)
                 ckpt.write_json(tmp / "metrics.json", metrics)
                 ckpt.write_json(tmp / "results.json", result_rows(cfg, metrics))
-                ckpt.write_json(tmp / "meta.json", {
-                    "base": cfg.base, "quantization": cfg.quantization, "step": cfg.steps, "dropped_records": dropped,
-                    "git_commit": track.git_commit(), "storage_dtype": str(storage_dtype(cfg, rt.device)),
-                    "compute_dtype": str(dist.compute_dtype(rt.device)), "world_size": rt.world_size,
-                    "cpu": dist.cpu_info()})
+                ckpt.write_json(
+                    tmp / "meta.json",
+                    {
+                        "base": cfg.base,
+                        "quantization": cfg.quantization,
+                        "step": cfg.steps,
+                        "dropped_records": dropped,
+                        "git_commit": track.git_commit(),
+                        "storage_dtype": str(storage_dtype(cfg, rt.device)),
+                        "compute_dtype": str(dist.compute_dtype(rt.device)),
+                        "world_size": rt.world_size,
+                        "cpu": dist.cpu_info(),
+                    },
+                )
                 write_plots(tmp, hist, cfg)
         if rt.is_main:
             tracker.log_artifact(output / "plots/loss.png", "plots")
@@ -393,18 +455,24 @@ def run(cfg: Config, records: list[dict], records_path: Path, output: Path, rt: 
 
 
 def main(argv=None) -> dict:
-    args, overrides = config.parse_cli(__doc__, {"input": "data/prepare_data", "output": "data/finetune_qlora/nf4"}, argv)
+    args, overrides = config.parse_cli(
+        __doc__, {"input": "data/prepare_data", "output": "data/finetune_qlora/nf4"}, argv
+    )
     cfg = config.load(Config, STAGE, args.params, overrides)
     inp, output = Path(args.input), Path(args.output)
     records_path = inp / "instructions.jsonl" if inp.is_dir() else inp
     if not records_path.is_file():
-        raise config.UserError(f"finetune_qlora: no instruction records at {records_path}; run prepare_data "
-                               f"(prepare_data.instructions must not be none) or pass --input FILE.jsonl")
+        raise config.UserError(
+            f"finetune_qlora: no instruction records at {records_path}; run prepare_data "
+            f"(prepare_data.instructions must not be none) or pass --input FILE.jsonl"
+        )
     records = instructions.read_records(records_path)
     base_config = check_base(cfg)
     if cfg.seq_length > base_config.get("max_position_embeddings", cfg.seq_length):
-        raise config.UserError(f"params.yaml: finetune_qlora.seq_length ({cfg.seq_length}) exceeds the base model's "
-                               f"max_position_embeddings ({base_config['max_position_embeddings']}); lower seq_length")
+        raise config.UserError(
+            f"params.yaml: finetune_qlora.seq_length ({cfg.seq_length}) exceeds the base model's "
+            f"max_position_embeddings ({base_config['max_position_embeddings']}); lower seq_length"
+        )
     rt = dist.init()
     stop = dist.handle_sigterm()
     try:
@@ -418,9 +486,12 @@ def main(argv=None) -> dict:
         dist.teardown()
     if out["stopped"]:
         raise SystemExit(143)  # preempted: a checkpoint holds the progress; re-running resumes from it
-    dist.print0(f"finetune_qlora ({cfg.quantization}): eval loss {out['eval_loss']:.4f}, peak memory "
-                f"{out['peak_memory_mb']:.0f} MiB, linear weights {out['linear_weight_mb']:.2f} MiB "
-                f"({out['linear_weight_bits_per_weight']:.2f} bits/weight) -> {output}", rt=rt)
+    dist.print0(
+        f"finetune_qlora ({cfg.quantization}): eval loss {out['eval_loss']:.4f}, peak memory "
+        f"{out['peak_memory_mb']:.0f} MiB, linear weights {out['linear_weight_mb']:.2f} MiB "
+        f"({out['linear_weight_bits_per_weight']:.2f} bits/weight) -> {output}",
+        rt=rt,
+    )
     return out
 
 

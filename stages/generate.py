@@ -17,13 +17,22 @@ import torch
 from stages.common import config
 
 
-def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-             top_k: int = 50, greedy: bool = False, seed: int = 0) -> str:
+def generate(
+    model_dir: str | Path,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    greedy: bool = False,
+    seed: int = 0,
+) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
-        raise config.UserError(f"generate: {model_dir} holds no model (config.json); pass a folder such as data/pretrain/model")
+        raise config.UserError(
+            f"generate: {model_dir} holds no model (config.json); pass a folder such as data/pretrain/model"
+        )
     if temperature <= 0 and not greedy:
         raise config.UserError("generate: --temperature must be > 0 (or use --greedy)")
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -36,9 +45,15 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 200, temp
     room = model.config.max_position_embeddings - ids.shape[1]
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max(0, min(max_new_tokens, room)),
-            do_sample=not greedy, temperature=None if greedy else temperature, top_k=None if greedy else top_k,
-            top_p=None, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max(0, min(max_new_tokens, room)),
+            do_sample=not greedy,
+            temperature=None if greedy else temperature,
+            top_k=None if greedy else top_k,
+            top_p=None,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
         )
     return tok.decode(out[0], skip_special_tokens=True)
 

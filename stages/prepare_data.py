@@ -61,7 +61,9 @@ class Config:
     """Planetoid graphs to materialize: any of Cora, CiteSeer, PubMed."""
 
     def __post_init__(self):
-        if not (0 < self.val_fraction < 1 and 0 < self.test_fraction < 1 and self.val_fraction + self.test_fraction < 1):
+        if not (
+            0 < self.val_fraction < 1 and 0 < self.test_fraction < 1 and self.val_fraction + self.test_fraction < 1
+        ):
             raise ValueError("val_fraction and test_fraction must each be in (0, 1) and sum to less than 1")
         if self.max_bytes < 0 or self.instructions_max_records < 0:
             raise ValueError("max_bytes and instructions_max_records must be >= 0 (0 means no limit)")
@@ -131,7 +133,7 @@ def decode_line(raw: bytes, name: str, offset: int) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(
-            f"{name} is not valid UTF-8: byte {offset + e.start} ({raw[e.start:e.start + 1]!r}); "
+            f"{name} is not valid UTF-8: byte {offset + e.start} ({raw[e.start : e.start + 1]!r}); "
             "re-encode it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
         ) from None
 
@@ -160,7 +162,7 @@ def split_records(docs: list[str], cfg: Config, name: str) -> dict[str, list[str
         raise DataError(f"corpus {name} has no non-empty documents in field '{cfg.text_field}'")
     n_train = int(len(docs) * (1 - cfg.val_fraction - cfg.test_fraction))
     n_val = int(len(docs) * cfg.val_fraction)
-    return {"train": docs[:n_train], "val": docs[n_train:n_train + n_val], "test": docs[n_train + n_val:]}
+    return {"train": docs[:n_train], "val": docs[n_train : n_train + n_val], "test": docs[n_train + n_val :]}
 
 
 def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
@@ -177,8 +179,12 @@ def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}: line {n} is not valid JSON ({e.msg}); each line must be one JSON object") from None
-            missing = [k for k in required if not isinstance(rec.get(k), str)] if isinstance(rec, dict) else list(required)
+                raise DataError(
+                    f"{path}: line {n} is not valid JSON ({e.msg}); each line must be one JSON object"
+                ) from None
+            missing = (
+                [k for k in required if not isinstance(rec.get(k), str)] if isinstance(rec, dict) else list(required)
+            )
             if missing:
                 raise DataError(f"{path}: line {n} lacks string field(s) {', '.join(missing)}")
             records.append(rec)
@@ -200,7 +206,9 @@ def load_corpus(cfg: Config, workdir: Path) -> tuple[dict[str, list[str]], dict]
                 shas[dest.name] = fetch(raw, dest)
             except DataError as e:
                 if mirror_dir() is not None:
-                    raise DataError(f"wikitext2 {split} split: {e} (or unset it to read wikitext-2-raw-v1 from the hub)") from None
+                    raise DataError(
+                        f"wikitext2 {split} split: {e} (or unset it to read wikitext-2-raw-v1 from the hub)"
+                    ) from None
                 ds = load_hub(sources.WIKITEXT2_HUB[0], name=sources.WIKITEXT2_HUB[1])
                 hub_split = {"val": "validation"}.get(split, split)
                 # Hub rows are the raw file's lines; blank lines are stored as "".
@@ -214,7 +222,9 @@ def load_corpus(cfg: Config, workdir: Path) -> tuple[dict[str, list[str]], dict]
         if cfg.text_field not in ds[next(iter(ds))].column_names:
             raise DataError(f"hub dataset {dataset} has no column '{cfg.text_field}'; set prepare_data.text_field")
         if {"validation", "test"} <= set(ds):
-            docs = {s: list(ds[h][cfg.text_field]) for s, h in zip(SPLITS, ("train", "validation", "test"))}
+            docs = {
+                s: list(ds[h][cfg.text_field]) for s, h in zip(SPLITS, ("train", "validation", "test"), strict=True)
+            }
             docs = {s: [d for d in v if d.strip()] for s, v in docs.items()}
         else:
             docs = split_records(list(ds["train"][cfg.text_field]), cfg, name)
@@ -293,7 +303,10 @@ def write_instructions(cfg: Config, out: Path, workdir: Path) -> dict:
     else:
         path = Path(cfg.instructions)
         if not path.is_file():
-            raise DataError(f"prepare_data.instructions: {cfg.instructions!r} is not alpaca, hub:<id>, none or an existing .jsonl file")
+            raise DataError(
+                f"prepare_data.instructions: {cfg.instructions!r} is not alpaca, hub:<id>, none "
+                "or an existing .jsonl file"
+            )
         records, source = read_jsonl(path, keys), str(path)
     if cfg.instructions_max_records:
         records = records[: cfg.instructions_max_records]

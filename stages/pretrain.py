@@ -93,8 +93,10 @@ class Config:
         loop.check_compile_mode(self.compile_mode)
         dist.check_precision(self.precision)
         if self.context_length > self.max_position_embeddings:
-            raise ValueError(f"context_length ({self.context_length}) exceeds max_position_embeddings "
-                             f"({self.max_position_embeddings}); lower it or raise max_position_embeddings")
+            raise ValueError(
+                f"context_length ({self.context_length}) exceeds max_position_embeddings "
+                f"({self.max_position_embeddings}); lower it or raise max_position_embeddings"
+            )
         if self.hidden_size % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError("hidden_size must be a multiple of n_heads, and n_heads of n_kv_heads")
         if min(self.n_layers, self.steps, self.batch_size, self.micro_batch_size, self.log_every) < 1:
@@ -112,11 +114,17 @@ def build_model(cfg: Config, vocab: dict):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     mc = LlamaConfig(
-        vocab_size=vocab["vocab_size"], hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        vocab_size=vocab["vocab_size"],
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
         max_position_embeddings=cfg.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        bos_token_id=vocab["bos_token_id"], eos_token_id=vocab["eos_token_id"], pad_token_id=vocab["pad_token_id"],
+        bos_token_id=vocab["bos_token_id"],
+        eos_token_id=vocab["eos_token_id"],
+        pad_token_id=vocab["pad_token_id"],
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(mc)
@@ -140,8 +148,10 @@ def check_input(folder: Path) -> dict:
 
     n = len(AutoTokenizer.from_pretrained(tok_dir))
     if n != meta["vocab_size"]:
-        raise config.UserError(f"pretrain: tokenizer in {tok_dir} has {n} tokens but {folder}/meta.json says "
-                               f"vocab_size {meta['vocab_size']}; re-run tokenize")
+        raise config.UserError(
+            f"pretrain: tokenizer in {tok_dir} has {n} tokens but {folder}/meta.json says "
+            f"vocab_size {meta['vocab_size']}; re-run tokenize"
+        )
     return meta
 
 
@@ -159,15 +169,20 @@ def save_outputs(tmp: Path, model_sd: dict, cfg: Config, meta_in: dict, inp: Pat
     n_params = sum(p.numel() for p in model.parameters())
     steps = hist["step"][-1]
     meta = {
-        "step": steps, "tokens_seen": steps * cfg.batch_size * cfg.context_length,
-        "final_train_loss": hist["loss"][-1], "final_val_loss": hist["val_loss"][-1] if hist["val_loss"] else None,
-        "git_commit": track.git_commit(), "parameters": n_params, "flops_per_token": result["flops_per_token"],
-        "model_config": model.config.to_dict(), "compute_dtype": result["compute_dtype"],
+        "step": steps,
+        "tokens_seen": steps * cfg.batch_size * cfg.context_length,
+        "final_train_loss": hist["loss"][-1],
+        "final_val_loss": hist["val_loss"][-1] if hist["val_loss"] else None,
+        "git_commit": track.git_commit(),
+        "parameters": n_params,
+        "flops_per_token": result["flops_per_token"],
+        "model_config": model.config.to_dict(),
+        "compute_dtype": result["compute_dtype"],
         "cpu": dist.cpu_info(),
     }
     ckpt.write_json(tmp / "meta.json", meta)
     loop.write_curves(tmp / "plots", hist)
-    val = dict(zip(hist["val_step"], hist["val_loss"]))
+    val = dict(zip(hist["val_step"], hist["val_loss"], strict=True))
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(hist["step"], hist["loss"], label="train")
     if val:
@@ -180,8 +195,9 @@ def save_outputs(tmp: Path, model_sd: dict, cfg: Config, meta_in: dict, inp: Pat
     return meta
 
 
-def run(cfg: Config, lcfg: loop.LoopConfig, inp: Path, output: Path, meta_in: dict, rt: dist.Runtime,
-        stop: dist.StopFlag) -> dict:
+def run(
+    cfg: Config, lcfg: loop.LoopConfig, inp: Path, output: Path, meta_in: dict, rt: dist.Runtime, stop: dist.StopFlag
+) -> dict:
     """Train and publish. The wrapped (DDP/FSDP) model lives only in here: it must be gone before the
     process group is torn down, or gloo's shutdown can deadlock on it."""
     dist.seed_everything(cfg.seed)
@@ -190,8 +206,10 @@ def run(cfg: Config, lcfg: loop.LoopConfig, inp: Path, output: Path, meta_in: di
     train_tokens = shards.load_split(inp, "train")
     val_tokens = shards.load_split(inp, "val")
     # The checkpoint folder is this run's until it has published and discarded it (ckpt.exclusive).
-    with ckpt.exclusive(ckpt_folder, rt), \
-            track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"checkpoints": str(ckpt_folder)}) as tracker:
+    with (
+        ckpt.exclusive(ckpt_folder, rt),
+        track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"checkpoints": str(ckpt_folder)}) as tracker,
+    ):
         result = loop.train(build_model(cfg, meta_in), train_tokens, val_tokens, lcfg, rt, ckpt_folder, tracker, stop)
         if result["stopped"]:
             tracker.set_tags({"stopped_by": stop.signal or "SIGTERM", "resume_from": str(ckpt_folder)})
@@ -201,17 +219,23 @@ def run(cfg: Config, lcfg: loop.LoopConfig, inp: Path, output: Path, meta_in: di
         with ckpt.atomic_dir(output, rt) as tmp:
             if rt.is_main:
                 meta = save_outputs(tmp, model_sd, cfg, meta_in, inp, result)
-                ckpt.write_json(tmp / "metrics.json", {
-                    k: meta[k] for k in ("final_train_loss", "final_val_loss", "tokens_seen", "parameters")
-                } | {"tokens_per_s": result["tokens_per_s"], "mfu": result["mfu"]})
+                ckpt.write_json(
+                    tmp / "metrics.json",
+                    {k: meta[k] for k in ("final_train_loss", "final_val_loss", "tokens_seen", "parameters")}
+                    | {"tokens_per_s": result["tokens_per_s"], "mfu": result["mfu"]},
+                )
         if rt.is_main:
             tracker.log_artifact(output / "plots/loss.png", "plots")
             tracker.log_artifact(output / "meta.json")
             ckpt.discard(ckpt_folder)  # the run is complete; its checkpoints are spent
     meta = dist.broadcast_object(meta)
     # One process: hand back the trained model itself (tests compare it with what was saved).
-    return {**meta, "history": result["history"], "stopped": False,
-            "model": None if rt.distributed else result["model"]}
+    return {
+        **meta,
+        "history": result["history"],
+        "stopped": False,
+        "model": None if rt.distributed else result["model"],
+    }
 
 
 def main(argv=None) -> dict:
@@ -233,8 +257,11 @@ def main(argv=None) -> dict:
     if out["stopped"]:
         raise SystemExit(143)  # preempted: a checkpoint holds the progress; re-running resumes from it
     val = out["final_val_loss"]
-    dist.print0(f"pretrain: {out['parameters'] / 1e6:.2f}M parameters, {out['step']} steps, train loss "
-                f"{out['final_train_loss']:.4f}, val loss {'-' if val is None else f'{val:.4f}'} -> {output}", rt=rt)
+    dist.print0(
+        f"pretrain: {out['parameters'] / 1e6:.2f}M parameters, {out['step']} steps, train loss "
+        f"{out['final_train_loss']:.4f}, val loss {'-' if val is None else f'{val:.4f}'} -> {output}",
+        rt=rt,
+    )
     return out
 
 

@@ -39,8 +39,18 @@ from pathlib import Path
 from stages.common import ckpt, config, dist, track
 
 STAGE = "report"
-ROW_FIELDS = ("result", "paper", "relation", "published", "ours", "tolerance", "pass", "stage", "git_commit",
-              "data_hashes")
+ROW_FIELDS = (
+    "result",
+    "paper",
+    "relation",
+    "published",
+    "ours",
+    "tolerance",
+    "pass",
+    "stage",
+    "git_commit",
+    "data_hashes",
+)
 ROW_INPUT_FIELDS = ("result", "paper", "published", "ours", "tolerance")
 RELATIONS = {
     "=": lambda ours, published, tol: abs(ours - published) <= tol,
@@ -83,7 +93,9 @@ def read_rows(folder: Path, label: str, commit: str, data_files: dict) -> list[d
     for i, row in enumerate(rows):
         missing = [k for k in ROW_INPUT_FIELDS if k not in row]
         if missing:
-            raise config.UserError(f"{path}: row {i} lacks {', '.join(missing)} (each row needs {', '.join(ROW_INPUT_FIELDS)})")
+            raise config.UserError(
+                f"{path}: row {i} lacks {', '.join(missing)} (each row needs {', '.join(ROW_INPUT_FIELDS)})"
+            )
         ours, published, tol = row["ours"], row["published"], row["tolerance"]
         relation = row.get("relation", "=")
         if relation not in RELATIONS:
@@ -91,7 +103,14 @@ def read_rows(folder: Path, label: str, commit: str, data_files: dict) -> list[d
         numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ours, published, tol))
         passed = bool(math.isfinite(ours) and RELATIONS[relation](ours, published, tol)) if numeric else None
         hashes = {name: data_files[name] for name in row.get("data", ()) if name in data_files}
-        values = {**row, "relation": relation, "pass": passed, "stage": label, "git_commit": commit, "data_hashes": hashes}
+        values = {
+            **row,
+            "relation": relation,
+            "pass": passed,
+            "stage": label,
+            "git_commit": commit,
+            "data_hashes": hashes,
+        }
         out.append({k: values[k] for k in ROW_FIELDS})
     return out
 
@@ -107,8 +126,16 @@ def fmt(value) -> str:
 
 
 def render_markdown(doc: dict) -> str:
-    lines = ["# Results", "", f"Git commit: `{doc['git_commit']}`", "", "## Reproduced results", "",
-             "| " + " | ".join(ROW_FIELDS) + " |", "|" + "---|" * len(ROW_FIELDS)]
+    lines = [
+        "# Results",
+        "",
+        f"Git commit: `{doc['git_commit']}`",
+        "",
+        "## Reproduced results",
+        "",
+        "| " + " | ".join(ROW_FIELDS) + " |",
+        "|" + "---|" * len(ROW_FIELDS),
+    ]
     for row in doc["rows"]:
         lines.append("| " + " | ".join(fmt(row[k]) for k in ROW_FIELDS) + " |")
     if not doc["rows"]:
@@ -118,12 +145,19 @@ def render_markdown(doc: dict) -> str:
     if reg is not None and reg["source"]:
         lines += ["", "## Regression against a recorded run", ""]
         if reg["rows"]:
-            lines += [f"Our perplexities against those recorded under the same params (fingerprint `{reg['params']}`, "
-                      f"recorded {reg['recorded']}).", "", "| " + " | ".join(ROW_FIELDS) + " |", "|" + "---|" * len(ROW_FIELDS)]
+            lines += [
+                f"Our perplexities against those recorded under the same params (fingerprint `{reg['params']}`, "
+                f"recorded {reg['recorded']}).",
+                "",
+                "| " + " | ".join(ROW_FIELDS) + " |",
+                "|" + "---|" * len(ROW_FIELDS),
+            ]
             lines += ["| " + " | ".join(fmt(row[k]) for k in ROW_FIELDS) + " |" for row in reg["rows"]]
         else:
-            lines.append(f"_No recorded perplexities for these params (fingerprint `{reg['params']}`); "
-                         "record this run's with `python -m pipelines.record`._")
+            lines.append(
+                f"_No recorded perplexities for these params (fingerprint `{reg['params']}`); "
+                "record this run's with `python -m pipelines.record`._"
+            )
             near = reg.get("nearest")
             if near:
                 name = f"`{near['params']}`" + (f" ({near['preset']})" if near.get("preset") else "")
@@ -166,8 +200,14 @@ def build_report(inputs: list[Path]) -> dict:
             stage_metrics[label] = json.loads((folder / "metrics.json").read_text())
         rows += read_rows(folder, label, commit, data_files)
         plots += sorted(str(p) for p in folder.glob("plots/*.png"))
-    return {"git_commit": commit, "row_fields": list(ROW_FIELDS), "rows": rows,
-            "stage_metrics": stage_metrics, "comparisons": comparisons(stage_metrics), "plots": plots}
+    return {
+        "git_commit": commit,
+        "row_fields": list(ROW_FIELDS),
+        "rows": rows,
+        "stage_metrics": stage_metrics,
+        "comparisons": comparisons(stage_metrics),
+        "plots": plots,
+    }
 
 
 def params_fingerprint(params: dict) -> str:
@@ -180,15 +220,19 @@ def perplexities(stage_metrics: dict) -> dict:
     out = {}
     for label, metrics in stage_metrics.items():
         if label.split("/")[0] == "eval_perplexity":
-            out[label] = {model: {int(v["context"]): v["perplexity"] for v in by_ctx.values()}
-                          for model, by_ctx in metrics.get("models", {}).items()}
+            out[label] = {
+                model: {int(v["context"]): v["perplexity"] for v in by_ctx.values()}
+                for model, by_ctx in metrics.get("models", {}).items()
+            }
     return out
 
 
 def read_records(path: Path) -> list[dict]:
     if not path.is_file():
-        raise config.UserError(f"report.recorded: {path} not found; set report.recorded to the file of recorded "
-                               "perplexities (pipelines/recorded.yaml) or to \"\" for none")
+        raise config.UserError(
+            f"report.recorded: {path} not found; set report.recorded to the file of recorded "
+            'perplexities (pipelines/recorded.yaml) or to "" for none'
+        )
     return config.read_yaml(path).get("records") or []
 
 
@@ -201,8 +245,11 @@ def params_differences(ours: dict, recorded: dict) -> list[str]:
     """'section.key: ours (recorded: theirs)' for every setting that differs, nested keys flattened."""
     a, b = track.flatten(ours), track.flatten(recorded)
     absent = "(absent)"
-    return [f"{k}: {a.get(k, absent)} (recorded: {b.get(k, absent)})"
-            for k in sorted(set(a) | set(b)) if a.get(k, absent) != b.get(k, absent)]
+    return [
+        f"{k}: {a.get(k, absent)} (recorded: {b.get(k, absent)})"
+        for k in sorted(set(a) | set(b))
+        if a.get(k, absent) != b.get(k, absent)
+    ]
 
 
 def nearest_record(records: list[dict], params: dict) -> dict | None:
@@ -229,13 +276,27 @@ def regression(stage_metrics: dict, params: dict, cfg: Config, commit: str) -> d
                 for ctx, value in by_ctx.items():
                     got = ours.get(label, {}).get(model, {}).get(int(ctx))
                     tol = round(cfg.regression_tolerance * value, 6)
-                    rows.append({
-                        "result": f"token perplexity, {model} at {ctx} tokens", "paper": f"recorded run ({record['recorded']})",
-                        "relation": "=", "published": value, "ours": got, "tolerance": tol,
-                        "pass": got is not None and math.isfinite(got) and abs(got - value) <= tol,
-                        "stage": label, "git_commit": commit, "data_hashes": {}})
-    return {"source": cfg.recorded, "params": fingerprint, "recorded": record["recorded"] if record else None, "rows": rows,
-            "nearest": None if record is not None else nearest_record(records, params)}
+                    rows.append(
+                        {
+                            "result": f"token perplexity, {model} at {ctx} tokens",
+                            "paper": f"recorded run ({record['recorded']})",
+                            "relation": "=",
+                            "published": value,
+                            "ours": got,
+                            "tolerance": tol,
+                            "pass": got is not None and math.isfinite(got) and abs(got - value) <= tol,
+                            "stage": label,
+                            "git_commit": commit,
+                            "data_hashes": {},
+                        }
+                    )
+    return {
+        "source": cfg.recorded,
+        "params": fingerprint,
+        "recorded": record["recorded"] if record else None,
+        "rows": rows,
+        "nearest": None if record is not None else nearest_record(records, params),
+    }
 
 
 def comparisons(stage_metrics: dict) -> dict:
@@ -259,19 +320,30 @@ def main(argv=None) -> dict:
             metric_files = [p / "metrics.json" for p in inputs if (p / "metrics.json").is_file()]
             with track.start_run(STAGE, config.as_dict(cfg), ckpt.hash_files(metric_files), rt) as tracker:
                 doc = build_report(inputs)
-                doc["regression"] = regression(doc["stage_metrics"], config.read_yaml(args.params), cfg, doc["git_commit"])
+                doc["regression"] = regression(
+                    doc["stage_metrics"], config.read_yaml(args.params), cfg, doc["git_commit"]
+                )
                 output = Path(args.output)
                 with ckpt.atomic_dir(output) as tmp:
                     ckpt.write_json(tmp / "results.json", doc)
                     (tmp / "results.md").write_text(render_markdown(doc), encoding="utf-8")
                 passed = [r["pass"] for r in doc["rows"]]
                 regressed = [r["pass"] for r in doc["regression"]["rows"]]
-                tracker.log_metrics({"rows": len(passed), "rows_passed": passed.count(True), "rows_failed": passed.count(False),
-                                     "regression_rows": len(regressed), "regression_rows_failed": regressed.count(False)})
+                tracker.log_metrics(
+                    {
+                        "rows": len(passed),
+                        "rows_passed": passed.count(True),
+                        "rows_failed": passed.count(False),
+                        "regression_rows": len(regressed),
+                        "regression_rows_failed": regressed.count(False),
+                    }
+                )
                 tracker.log_artifact(output / "results.md")
                 tracker.log_artifact(output / "results.json")
-            print(f"report: {len(doc['rows'])} reproduced result(s), {len(doc['regression']['rows'])} regression row(s), "
-                  f"{len(doc['stage_metrics'])} stage(s) -> {args.output}/results.md")
+            print(
+                f"report: {len(doc['rows'])} reproduced result(s), {len(doc['regression']['rows'])} regression row(s), "
+                f"{len(doc['stage_metrics'])} stage(s) -> {args.output}/results.md"
+            )
             failed = [r["result"] for r in doc["rows"] + doc["regression"]["rows"] if r["pass"] is False]
             if cfg.strict and failed:
                 raise config.UserError(f"report: outside tolerance: {', '.join(failed)} (report.strict is true)")

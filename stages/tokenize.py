@@ -101,7 +101,10 @@ def save_hf_tokenizer(tok, folder: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=shards.EOS_TOKEN, eos_token=shards.EOS_TOKEN, pad_token=shards.PAD_TOKEN,
+        tokenizer_object=tok,
+        bos_token=shards.EOS_TOKEN,
+        eos_token=shards.EOS_TOKEN,
+        pad_token=shards.PAD_TOKEN,
         clean_up_tokenization_spaces=False,
     )
     hf.save_pretrained(folder)
@@ -153,7 +156,7 @@ def encode_range(tok, txt: Path, doc_ends: set[int], start: int, end: int, out: 
 
     def write(encoded, lines, ends_doc, nbytes):
         pieces = []
-        for enc, is_end in zip(encoded, ends_doc):
+        for enc, is_end in zip(encoded, ends_doc, strict=True):
             pieces.append(enc.ids)
             if is_end:
                 pieces.append((eos,))
@@ -209,9 +212,14 @@ def tokenize(cfg: Config, inp: Path, output: Path, rt: dist.Runtime, tracker: tr
         meta = None
         if rt.is_main:
             meta = {
-                "format": shards.FORMAT, "dtype": dtype.name, "vocab_size": vocab,
-                "bos_token_id": tok.token_to_id(shards.EOS_TOKEN), "eos_token_id": tok.token_to_id(shards.EOS_TOKEN),
-                "pad_token_id": tok.token_to_id(shards.PAD_TOKEN), "shard_tokens": cfg.shard_tokens, "splits": {},
+                "format": shards.FORMAT,
+                "dtype": dtype.name,
+                "vocab_size": vocab,
+                "bos_token_id": tok.token_to_id(shards.EOS_TOKEN),
+                "eos_token_id": tok.token_to_id(shards.EOS_TOKEN),
+                "pad_token_id": tok.token_to_id(shards.PAD_TOKEN),
+                "shard_tokens": cfg.shard_tokens,
+                "splits": {},
             }
             for split in SPLITS:
                 writer = shards.ShardWriter(tmp, split, dtype, cfg.shard_tokens)
@@ -225,7 +233,9 @@ def tokenize(cfg: Config, inp: Path, output: Path, rt: dist.Runtime, tracker: tr
             ckpt.write_json(tmp / "meta.json", meta)
             n_tokens = sum(s["tokens"] for s in meta["splits"].values())
             metrics = {
-                "vocab_size": vocab, "tokenizer_train_s": train_s, "encode_s": encode_s,
+                "vocab_size": vocab,
+                "tokenizer_train_s": train_s,
+                "encode_s": encode_s,
                 "tokens_per_s": n_tokens / max(encode_s, 1e-9),
                 **{f"{s}_{k}": v for s, d in meta["splits"].items() for k, v in d.items() if k != "shards"},
                 **{f"{s}_bytes_per_token": d["bytes"] / max(d["tokens"], 1) for s, d in meta["splits"].items()},
@@ -251,8 +261,10 @@ def main(argv=None) -> dict:
         with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt) as tracker:
             meta = tokenize(cfg, inp, output, rt, tracker)
         dist.print0(
-            "tokenize: " + ", ".join(f"{s} {d['tokens']:,} tokens" for s, d in meta["splits"].items())
-            + f" (vocab {meta['vocab_size']}) -> {output}", rt=rt,
+            "tokenize: "
+            + ", ".join(f"{s} {d['tokens']:,} tokens" for s, d in meta["splits"].items())
+            + f" (vocab {meta['vocab_size']}) -> {output}",
+            rt=rt,
         )
         return meta
     finally:

@@ -50,8 +50,10 @@ MODELS = ("gcn", "gat")
 LOADERS = ("auto", "neighbor", "random_node")
 # Test accuracy (%) on the public split: GCN Table 2 of Kipf & Welling; GAT Table 2 of Velickovic et al.
 PAPERS = {"gcn": "Kipf & Welling 2017 (GCN), Table 2", "gat": "Velickovic et al. 2018 (GAT), Table 2"}
-PUBLISHED = {"gcn": {"Cora": 81.5, "CiteSeer": 70.3, "PubMed": 79.0},
-             "gat": {"Cora": 83.0, "CiteSeer": 72.5, "PubMed": 79.0}}
+PUBLISHED = {
+    "gcn": {"Cora": 81.5, "CiteSeer": 70.3, "PubMed": 79.0},
+    "gat": {"Cora": 83.0, "CiteSeer": 72.5, "PubMed": 79.0},
+}
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class Config:
     minibatch: bool
     """false: full-graph training, seeds split across ranks; true: DDP mini-batch training, all ranks per seed."""
     loader: str
-    """Mini-batch loader: auto (neighbor when pyg-lib or torch-sparse is installed, else random_node) | neighbor | random_node."""
+    """Mini-batch loader: auto (neighbor with pyg-lib or torch-sparse, else random_node) | neighbor | random_node."""
     minibatch_parts: int
     """random_node: node partitions per epoch over all ranks (each batch is one partition's induced subgraph)."""
     minibatch_neighbors: tuple[int, ...]
@@ -103,13 +105,24 @@ class Config:
             raise ValueError(f"models: unknown model {bad[0] if bad else None!r}; valid: {', '.join(MODELS)}")
         if self.loader not in LOADERS:
             raise ValueError(f"loader: unknown loader {self.loader!r}; valid: {', '.join(LOADERS)}")
-        for key in ("seeds", "threads", "gcn_hidden", "gcn_epochs", "gat_hidden", "gat_heads", "gat_epochs",
-                    "minibatch_parts", "minibatch_batch_size"):
+        for key in (
+            "seeds",
+            "threads",
+            "gcn_hidden",
+            "gcn_epochs",
+            "gat_hidden",
+            "gat_heads",
+            "gat_epochs",
+            "minibatch_parts",
+            "minibatch_batch_size",
+        ):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.gat_hidden % self.gat_heads:
-            raise ValueError(f"gat_hidden ({self.gat_hidden}) must be divisible by gat_heads ({self.gat_heads}): "
-                             f"each head gets gat_hidden / gat_heads features")
+            raise ValueError(
+                f"gat_hidden ({self.gat_hidden}) must be divisible by gat_heads ({self.gat_heads}): "
+                f"each head gets gat_hidden / gat_heads features"
+            )
         for key in ("gcn_dropout", "gat_dropout"):
             if not 0 <= getattr(self, key) < 1:
                 raise ValueError(f"{key} must be in [0, 1), got {getattr(self, key)}")
@@ -132,7 +145,8 @@ def check_input(inp: Path, name: str) -> None:
     if missing:
         raise config.UserError(
             f"train_gnn: {inp / 'planetoid' / name / 'raw'} lacks {', '.join(missing)}; the raw Planetoid files "
-            f"must be there: add {name} to prepare_data.graphs and run prepare_data, or pass --input")
+            f"must be there: add {name} to prepare_data.graphs and run prepare_data, or pass --input"
+        )
 
 
 def load_planetoid(inp: Path, name: str):
@@ -163,18 +177,35 @@ def neighbor_loader_available() -> bool:
 # -------------------------------------------------------------------------------------------- model
 def model_kwargs(kind: str, cfg: Config, num_features: int, num_classes: int) -> dict:
     if kind == "gcn":
-        return dict(in_channels=num_features, hidden=cfg.gcn_hidden, out_channels=num_classes,
-                    dropout=cfg.gcn_dropout, cached=not cfg.minibatch)
+        return dict(
+            in_channels=num_features,
+            hidden=cfg.gcn_hidden,
+            out_channels=num_classes,
+            dropout=cfg.gcn_dropout,
+            cached=not cfg.minibatch,
+        )
     output_heads = cfg.gat_output_heads or (8 if cfg.dataset == "PubMed" else 1)
-    return dict(in_channels=num_features, hidden=cfg.gat_hidden, out_channels=num_classes, dropout=cfg.gat_dropout,
-                heads=cfg.gat_heads, output_heads=output_heads)
+    return dict(
+        in_channels=num_features,
+        hidden=cfg.gat_hidden,
+        out_channels=num_classes,
+        dropout=cfg.gat_dropout,
+        heads=cfg.gat_heads,
+        output_heads=output_heads,
+    )
 
 
 def make_optimizer(kind: str, model: torch.nn.Module, cfg: Config, fused: bool = True) -> torch.optim.Optimizer:
     """Adam; fused (one kernel for all parameters) is ~10x faster than the default on CPU for these sizes."""
     if kind == "gcn":  # weight decay on the first layer only, as in the paper
-        return torch.optim.Adam([dict(params=model.conv1.parameters(), weight_decay=cfg.gcn_weight_decay),
-                                 dict(params=model.conv2.parameters(), weight_decay=0.0)], lr=cfg.gcn_lr, fused=fused)
+        return torch.optim.Adam(
+            [
+                dict(params=model.conv1.parameters(), weight_decay=cfg.gcn_weight_decay),
+                dict(params=model.conv2.parameters(), weight_decay=0.0),
+            ],
+            lr=cfg.gcn_lr,
+            fused=fused,
+        )
     return torch.optim.Adam(model.parameters(), lr=cfg.gat_lr, weight_decay=cfg.gat_weight_decay, fused=fused)
 
 
@@ -210,9 +241,10 @@ def minibatches(data, cfg: Config, rt: dist.Runtime, seed: int, epoch: int):
         train = data.train_mask.nonzero().view(-1)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
         share = len(train) // rt.world_size
-        mine = train[order[rt.rank * share:(rt.rank + 1) * share]]
-        for batch in NeighborLoader(data, num_neighbors=list(cfg.minibatch_neighbors), input_nodes=mine,
-                                    batch_size=cfg.minibatch_batch_size):
+        mine = train[order[rt.rank * share : (rt.rank + 1) * share]]
+        for batch in NeighborLoader(
+            data, num_neighbors=list(cfg.minibatch_neighbors), input_nodes=mine, batch_size=cfg.minibatch_batch_size
+        ):
             batch.seed_index = torch.arange(batch.batch_size)
             yield batch
         return
@@ -239,26 +271,43 @@ def train_seed(kind: str, data, cfg: Config, seed: int, rt: dist.Runtime) -> dic
 
         trained = DistributedDataParallel(model)
     x, edge_index, y = data.x.to(device).to_sparse_csr(), data.edge_index.to(device), data.y.to(device)
-    train_index, val_index, test_index = (m.nonzero().view(-1).to(device) for m in
-                                          (data.train_mask, data.val_mask, data.test_mask))
+    train_index, val_index, test_index = (
+        m.nonzero().view(-1).to(device) for m in (data.train_mask, data.val_mask, data.test_mask)
+    )
     epochs = cfg.gcn_epochs if kind == "gcn" else cfg.gat_epochs
     curves = {"train_loss": [], "val_acc": [], "val_loss": [], "test_acc": []}
     best, best_state, t0 = None, None, time.perf_counter()
     for epoch in range(epochs):
         if cfg.minibatch:
-            losses = [train_step(trained, optimizer, b.x.to(device).to_sparse_csr(), b.edge_index.to(device),
-                                 b.y.to(device), b.seed_index.to(device)) for b in minibatches(data, cfg, rt, seed, epoch)]
+            losses = [
+                train_step(
+                    trained,
+                    optimizer,
+                    b.x.to(device).to_sparse_csr(),
+                    b.edge_index.to(device),
+                    b.y.to(device),
+                    b.seed_index.to(device),
+                )
+                for b in minibatches(data, cfg, rt, seed, epoch)
+            ]
             loss = sum(losses) / max(len(losses), 1)
         else:
             loss = train_step(trained, optimizer, x, edge_index, y, train_index)
         val_acc, val_loss, test_acc = evaluate(model, x, edge_index, y, val_index, test_index)
-        for key, value in zip(curves, (loss, val_acc, val_loss, test_acc)):
+        for key, value in zip(curves, (loss, val_acc, val_loss, test_acc), strict=True):
             curves[key].append(value)
         if best is None or (val_acc, -val_loss) > (best["val_acc"], -best["val_loss"]):
             best = {"epoch": epoch, "val_acc": val_acc, "val_loss": val_loss, "test_acc": test_acc}
             best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    return {"model": kind, "seed": seed, **best, "train_s": time.perf_counter() - t0, "curves": curves,
-            "kwargs": kwargs, "state_dict": best_state}
+    return {
+        "model": kind,
+        "seed": seed,
+        **best,
+        "train_s": time.perf_counter() - t0,
+        "curves": curves,
+        "kwargs": kwargs,
+        "state_dict": best_state,
+    }
 
 
 # ------------------------------------------------------------------------------------------- outputs
@@ -267,10 +316,13 @@ def summarize(results: list[dict], cfg: Config) -> dict:
     for kind in cfg.models:
         rows = [r for r in results if r["model"] == kind]
         test = [r["test_acc"] for r in rows]
-        out[kind] = {"test_acc_mean": statistics.fmean(test), "test_acc_std": statistics.stdev(test) if len(test) > 1 else 0.0,
-                     "val_acc_mean": statistics.fmean(r["val_acc"] for r in rows),
-                     "best_epoch_mean": statistics.fmean(r["epoch"] for r in rows),
-                     "train_s_per_seed": statistics.fmean(r["train_s"] for r in rows)}
+        out[kind] = {
+            "test_acc_mean": statistics.fmean(test),
+            "test_acc_std": statistics.stdev(test) if len(test) > 1 else 0.0,
+            "val_acc_mean": statistics.fmean(r["val_acc"] for r in rows),
+            "best_epoch_mean": statistics.fmean(r["epoch"] for r in rows),
+            "train_s_per_seed": statistics.fmean(r["train_s"] for r in rows),
+        }
     return out
 
 
@@ -280,10 +332,17 @@ def mean_curves(results: list[dict], kind: str) -> dict[str, list[float]]:
 
 
 def result_rows(summary: dict, cfg: Config) -> list[dict]:
-    return [{"result": f"{kind.upper()} test accuracy on {cfg.dataset} (%), mean of {cfg.seeds} seeds",
-             "paper": PAPERS[kind], "published": PUBLISHED[kind][cfg.dataset],
-             "ours": round(summary[kind]["test_acc_mean"], 2), "tolerance": cfg.tolerance, "data": raw_names(cfg.dataset)}
-            for kind in cfg.models]
+    return [
+        {
+            "result": f"{kind.upper()} test accuracy on {cfg.dataset} (%), mean of {cfg.seeds} seeds",
+            "paper": PAPERS[kind],
+            "published": PUBLISHED[kind][cfg.dataset],
+            "ours": round(summary[kind]["test_acc_mean"], 2),
+            "tolerance": cfg.tolerance,
+            "data": raw_names(cfg.dataset),
+        }
+        for kind in cfg.models
+    ]
 
 
 def plot_accuracy(results: list[dict], summary: dict, cfg: Config, path: Path) -> None:
@@ -297,14 +356,30 @@ def plot_accuracy(results: list[dict], summary: dict, cfg: Config, path: Path) -
         curve_ax.plot(mean_curves(results, kind)["val_acc"], label=f"{kind.upper()} validation (mean of seeds)")
         test = [r["test_acc"] for r in results if r["model"] == kind]
         seed_ax.scatter([i] * len(test), test, alpha=0.6, label=f"{kind.upper()} per seed")
-        seed_ax.errorbar(i + 0.15, summary[kind]["test_acc_mean"], yerr=summary[kind]["test_acc_std"], fmt="o",
-                         color="black", capsize=4)
+        seed_ax.errorbar(
+            i + 0.15,
+            summary[kind]["test_acc_mean"],
+            yerr=summary[kind]["test_acc_std"],
+            fmt="o",
+            color="black",
+            capsize=4,
+        )
         if not cfg.minibatch:
-            seed_ax.scatter(i + 0.3, PUBLISHED[kind][cfg.dataset], marker="*", s=120, color="red",
-                            label="published" if i == 0 else None)
+            seed_ax.scatter(
+                i + 0.3,
+                PUBLISHED[kind][cfg.dataset],
+                marker="*",
+                s=120,
+                color="red",
+                label="published" if i == 0 else None,
+            )
     curve_ax.set(xlabel="epoch", ylabel="accuracy (%)", title=f"{cfg.dataset}: validation accuracy")
-    seed_ax.set(xticks=range(len(cfg.models)), xticklabels=[m.upper() for m in cfg.models], ylabel="test accuracy (%)",
-                title=f"test accuracy at best validation epoch (mean ± std)")
+    seed_ax.set(
+        xticks=range(len(cfg.models)),
+        xticklabels=[m.upper() for m in cfg.models],
+        ylabel="test accuracy (%)",
+        title="test accuracy at best validation epoch (mean ± std)",
+    )
     curve_ax.legend()
     seed_ax.legend(fontsize=8)
     fig.tight_layout()
@@ -321,11 +396,15 @@ def log_curves(tracker: track.Tracker, results: list[dict], cfg: Config) -> None
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    points = [Metric(f"{kind}_{key}", value, now, step) for kind in cfg.models
-              for key, values in mean_curves(results, kind).items() for step, value in enumerate(values)]
+    points = [
+        Metric(f"{kind}_{key}", value, now, step)
+        for kind in cfg.models
+        for key, values in mean_curves(results, kind).items()
+        for step, value in enumerate(values)
+    ]
     client = mlflow.MlflowClient()
     for i in range(0, len(points), 1000):
-        client.log_batch(tracker.run_id, metrics=points[i:i + 1000])
+        client.log_batch(tracker.run_id, metrics=points[i : i + 1000])
 
 
 def run(cfg: Config, inp: Path, output: Path, rt: dist.Runtime, tracker: track.Tracker, t_start: float) -> dict:
@@ -333,21 +412,31 @@ def run(cfg: Config, inp: Path, output: Path, rt: dist.Runtime, tracker: track.T
     seeds = range(cfg.first_seed, cfg.first_seed + cfg.seeds)
     tasks = [(kind, seed) for kind in cfg.models for seed in seeds]
     if not cfg.minibatch:  # one task per process at a time, dealt round-robin
-        tasks = tasks[rt.rank::rt.world_size]
+        tasks = tasks[rt.rank :: rt.world_size]
     mine = []
     for kind, seed in dist.progress(tasks, rt=rt, desc="train_gnn", unit="run"):
         mine.append(train_seed(kind, data, cfg, seed, rt))
     weights = {(r["model"], r["seed"]): (r.pop("kwargs"), r.pop("state_dict")) for r in mine}
     gathered = [r for part in dist.gather_objects(mine) for r in part]
-    results = sorted({(r["model"], r["seed"]): r for r in gathered}.values(),
-                     key=lambda r: (cfg.models.index(r["model"]), r["seed"]))
+    results = sorted(
+        {(r["model"], r["seed"]): r for r in gathered}.values(), key=lambda r: (cfg.models.index(r["model"]), r["seed"])
+    )
     summary = summarize(results, cfg)
     with ckpt.atomic_dir(output, rt) as tmp:
         (tmp / "models").mkdir(exist_ok=True)
         if not cfg.minibatch or rt.is_main:  # each rank saves the seeds it trained
             for (kind, seed), (kwargs, state) in weights.items():
-                torch.save({"model": kind, "kwargs": kwargs, "state_dict": state, "dataset": cfg.dataset, "seed": seed,
-                            "config": config.as_dict(cfg)}, tmp / "models" / f"{kind}-seed{seed}.pt")
+                torch.save(
+                    {
+                        "model": kind,
+                        "kwargs": kwargs,
+                        "state_dict": state,
+                        "dataset": cfg.dataset,
+                        "seed": seed,
+                        "config": config.as_dict(cfg),
+                    },
+                    tmp / "models" / f"{kind}-seed{seed}.pt",
+                )
         if rt.is_main:
             ckpt.write_json(tmp / "seeds.json", [{k: v for k, v in r.items() if k != "curves"} for r in results])
             if not cfg.minibatch:
@@ -357,8 +446,12 @@ def run(cfg: Config, inp: Path, output: Path, rt: dist.Runtime, tracker: track.T
             summary["wall_s"] = time.perf_counter() - t_start
             ckpt.write_json(tmp / "metrics.json", summary)
     if rt.is_main:
-        tracker.log_metrics({"wall_s": summary["wall_s"], **{f"{kind}_{key}": value for kind in cfg.models
-                                                            for key, value in summary[kind].items()}})
+        tracker.log_metrics(
+            {
+                "wall_s": summary["wall_s"],
+                **{f"{kind}_{key}": value for kind in cfg.models for key, value in summary[kind].items()},
+            }
+        )
         log_curves(tracker, results, cfg)
         for name in ("metrics.json", "seeds.json", "plots", "models"):
             tracker.log_artifact(output / name, name if name in ("plots", "models") else None)
@@ -372,8 +465,10 @@ def main(argv=None) -> dict:
     inp, output = Path(args.input), Path(args.output)
     check_input(inp, cfg.dataset)
     if cfg.minibatch and cfg.loader == "neighbor" and not neighbor_loader_available():
-        raise config.UserError("train_gnn.loader is 'neighbor' but NeighborLoader needs pyg-lib or torch-sparse, "
-                               "neither of which is installed; use loader=auto or loader=random_node")
+        raise config.UserError(
+            "train_gnn.loader is 'neighbor' but NeighborLoader needs pyg-lib or torch-sparse, "
+            "neither of which is installed; use loader=auto or loader=random_node"
+        )
     rt = dist.init()
     torch.set_num_threads(cfg.threads)
     try:
@@ -381,9 +476,12 @@ def main(argv=None) -> dict:
         with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt) as tracker:
             out = run(cfg, inp, output, rt, tracker, t_start)
         s = out["summary"]
-        dist.print0(f"train_gnn: {cfg.dataset}, {cfg.seeds} seeds: " + ", ".join(
-            f"{k.upper()} {s[k]['test_acc_mean']:.2f} ± {s[k]['test_acc_std']:.2f}" for k in cfg.models)
-            + f" ({s['wall_s']:.1f} s) -> {output}", rt=rt)
+        dist.print0(
+            f"train_gnn: {cfg.dataset}, {cfg.seeds} seeds: "
+            + ", ".join(f"{k.upper()} {s[k]['test_acc_mean']:.2f} ± {s[k]['test_acc_std']:.2f}" for k in cfg.models)
+            + f" ({s['wall_s']:.1f} s) -> {output}",
+            rt=rt,
+        )
         return out
     finally:
         dist.teardown()

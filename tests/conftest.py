@@ -16,18 +16,32 @@ MIRROR = Path(_mirror_env) if _mirror_env else ROOT.parent / "shared" / "data"
 
 
 def stage_env(workdir: Path, **extra) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PIPELINE_DATA_MIRROR": str(MIRROR),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}", **extra}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PIPELINE_DATA_MIRROR": str(MIRROR),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}",
+        **extra,
+    }
     env.pop("PIPELINE_RUN_ID", None)
     return env
 
 
 def run_stage(module: str, args: list[str], cwd: Path, nproc: int = 1, check: bool = True, **env):
     """Run `python -m stages.<module>` (nproc 1) or torchrun with `nproc` CPU processes, in `cwd`."""
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    proc = subprocess.run([*launcher, "-m", f"stages.{module}", *args], cwd=cwd, env=stage_env(cwd, **env),
-                          capture_output=True, text=True, timeout=600)
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    )
+    proc = subprocess.run(
+        [*launcher, "-m", f"stages.{module}", *args],
+        cwd=cwd,
+        env=stage_env(cwd, **env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"stages.{module} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

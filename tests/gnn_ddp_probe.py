@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from stages import train_gnn
-from stages.models import gnn
 from stages.common import dist
+from stages.models import gnn
 
 
 def flat(model: torch.nn.Module) -> list[float]:
@@ -33,12 +33,11 @@ def main(root: str, out: str) -> None:
     rt = dist.init()
     torch.set_num_threads(1)
     data = train_gnn.load_planetoid(Path(root), "Cora")
-    nodes = torch.randperm(data.num_nodes, generator=torch.Generator().manual_seed(0))[rt.rank::rt.world_size]
+    nodes = torch.randperm(data.num_nodes, generator=torch.Generator().manual_seed(0))[rt.rank :: rt.world_size]
     batch = data.subgraph(nodes)
     x, index = batch.x.to_sparse_csr(), batch.train_mask.nonzero().view(-1)
     torch.manual_seed(0)
-    model = gnn.build_model("gcn", in_channels=data.num_features, hidden=16, out_channels=7, dropout=0.5,
-                                  cached=False)
+    model = gnn.build_model("gcn", in_channels=data.num_features, hidden=16, out_channels=7, dropout=0.5, cached=False)
     alone, averaged = copy.deepcopy(model), copy.deepcopy(model)
 
     ddp = DistributedDataParallel(model)
@@ -55,8 +54,9 @@ def main(root: str, out: str) -> None:
                 p.grad /= rt.world_size
         torch.optim.SGD(net.parameters(), lr=1.0).step()
 
-    report = dist.gather_objects({"ddp": flat(model), "alone": flat(alone), "averaged": flat(averaged),
-                                  "train_nodes": len(index)})
+    report = dist.gather_objects(
+        {"ddp": flat(model), "alone": flat(alone), "averaged": flat(averaged), "train_nodes": len(index)}
+    )
     if rt.is_main:
         Path(out).write_text(json.dumps(report))
     dist.teardown()

@@ -16,8 +16,11 @@ from pipelines import launch
 from pipelines.dag import Stage, load_table
 
 ROOT = Path(__file__).resolve().parent.parent
-LOCK = dict(line.split("==", 1) for line in (ROOT / "requirements.lock").read_text().splitlines()
-            if "==" in line and not line.startswith("#"))
+LOCK = dict(
+    line.split("==", 1)
+    for line in (ROOT / "requirements.lock").read_text().splitlines()
+    if "==" in line and not line.startswith("#")
+)
 
 
 def test_profiles_load_and_name_their_executor():
@@ -66,8 +69,12 @@ def test_single_node_stage_keeps_a_standalone_rendezvous(monkeypatch):
 
 def test_every_stage_names_a_container_that_is_defined_and_passed_to_snakemake(tmp_path):
     dump = tmp_path / "rules.json"
-    subprocess.run([sys.executable, "-m", "snakemake", "--list-rules", "--config", f"dump_rules={dump}"],
-                   cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "snakemake", "--list-rules", "--config", f"dump_rules={dump}"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     rules = json.loads(dump.read_text())
     for name, st in load_table().items():
         image = st.resources["container"]
@@ -99,4 +106,7 @@ def test_container_definitions_pin_the_base_by_digest_and_packages_by_the_lock()
     assert len(digests) == 1, f"one base image digest for every family: {digests}"
     gnn = (ROOT / "containers/gnn/Dockerfile").read_text()
     # pyg-lib wheels are built per torch release: the index must be the locked torch's.
-    assert f"torch-{LOCK['torch']}+" in gnn and f"torch-{LOCK['torch']}+" in (ROOT / "containers/gnn/apptainer.def").read_text()
+    assert (
+        f"torch-{LOCK['torch']}+" in gnn
+        and f"torch-{LOCK['torch']}+" in (ROOT / "containers/gnn/apptainer.def").read_text()
+    )

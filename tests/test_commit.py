@@ -6,10 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ROOT
 
 from pipelines import commit
-
-from conftest import ROOT
 
 LOCK = """schema: '2.0'
 stages:
@@ -52,8 +51,12 @@ def test_damaged_lock_is_restored_from_the_last_good_copy(tmp_path, monkeypatch,
     assert commit.repair() == "ok" and not commit.GOOD_COPY.exists(), "no dvc.lock yet: nothing to keep"
     (tmp_path / "dvc.lock").write_text(LOCK)
     assert commit.repair() == "ok" and commit.GOOD_COPY.read_text() == LOCK
-    for damaged, why in (("", "it holds no stages"), (LOCK[:120], "the entry of stage tokenize is incomplete"),
-                         ("stages: [\n", "it does not parse"), ("- a\n", "not in DVC's lock format")):
+    for damaged, why in (
+        ("", "it holds no stages"),
+        (LOCK[:120], "the entry of stage tokenize is incomplete"),
+        ("stages: [\n", "it does not parse"),
+        ("- a\n", "not in DVC's lock format"),
+    ):
         (tmp_path / "dvc.lock").write_text(damaged)
         assert why in commit.lock_problem()
         assert commit.repair() == "restored" and (tmp_path / "dvc.lock").read_text() == LOCK
@@ -68,10 +71,18 @@ def test_damaged_lock_is_restored_from_the_last_good_copy(tmp_path, monkeypatch,
 def test_a_failed_commit_fails_the_rule_with_dvcs_error(tmp_path):
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=tmp_path, check=True)
-    proc = subprocess.run([sys.executable, "-m", "pipelines.commit", "nosuchstage"], cwd=tmp_path, capture_output=True,
-                          text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.commit", "nosuchstage"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode != 0
-    assert "error: `dvc commit nosuchstage` failed" in proc.stderr and "nosuchstage" in proc.stderr.split("error:")[0] + proc.stderr
+    assert (
+        "error: `dvc commit nosuchstage` failed" in proc.stderr
+        and "nosuchstage" in proc.stderr.split("error:")[0] + proc.stderr
+    )
 
 
 def test_every_cut_of_a_lock_file_is_caught(tmp_path):

@@ -6,12 +6,11 @@ import importlib
 from dataclasses import FrozenInstanceError
 
 import pytest
+from conftest import ROOT
 
 from pipelines import preset
 from pipelines.dag import load_table
 from stages.common import config
-
-from conftest import ROOT
 
 
 def stage_configs(sections) -> dict:
@@ -69,17 +68,20 @@ def test_overrides_are_typed(tmp_path):
     assert (cfg.vocab_size, cfg.batch_lines) == (1024, 16)
 
 
-@pytest.mark.parametrize("text, overrides, message", [
-    ("tokenize: [unclosed\n", (), "malformed YAML at line"),
-    (GOOD + "  vocab: 3\n", (), "unknown key tokenize.vocab; valid keys are"),
-    (GOOD.replace("  min_frequency: 2\n", ""), (), "missing key tokenize.min_frequency"),
-    (GOOD, ("vocab_size=big",), "tokenize.vocab_size must be an int, got 'big'"),
-    (GOOD.replace("vocab_size: 512", "vocab_size: 5.5"), (), "tokenize.vocab_size must be an int, got 5.5"),
-    (GOOD, ("vocab_size=100",), "vocab_size must be at least 258"),
-    ("prepare_data: {}\n", (), "missing section 'tokenize'"),
-    (GOOD, ("nonsense",), "must look like key=value"),
-    (GOOD, ("pretrain.lr=1",), "is for section 'pretrain'"),
-])
+@pytest.mark.parametrize(
+    "text, overrides, message",
+    [
+        ("tokenize: [unclosed\n", (), "malformed YAML at line"),
+        (GOOD + "  vocab: 3\n", (), "unknown key tokenize.vocab; valid keys are"),
+        (GOOD.replace("  min_frequency: 2\n", ""), (), "missing key tokenize.min_frequency"),
+        (GOOD, ("vocab_size=big",), "tokenize.vocab_size must be an int, got 'big'"),
+        (GOOD.replace("vocab_size: 512", "vocab_size: 5.5"), (), "tokenize.vocab_size must be an int, got 5.5"),
+        (GOOD, ("vocab_size=100",), "vocab_size must be at least 258"),
+        ("prepare_data: {}\n", (), "missing section 'tokenize'"),
+        (GOOD, ("nonsense",), "must look like key=value"),
+        (GOOD, ("pretrain.lr=1",), "is for section 'pretrain'"),
+    ],
+)
 def test_bad_params_name_the_key(tmp_path, text, overrides, message):
     with pytest.raises(config.ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
         load_tokenize(write(tmp_path, text), overrides)
@@ -88,8 +90,11 @@ def test_bad_params_name_the_key(tmp_path, text, overrides, message):
 def test_float_accepts_int_and_lists_become_tuples(tmp_path):
     from stages.prepare_data import Config
 
-    path = write(tmp_path, "prepare_data:\n  corpus: x\n  text_field: text\n  val_fraction: 0.1\n  test_fraction: 0.1\n"
-                 "  max_bytes: 0\n  instructions: none\n  instructions_max_records: 0\n  graphs: [Cora]\n")
+    path = write(
+        tmp_path,
+        "prepare_data:\n  corpus: x\n  text_field: text\n  val_fraction: 0.1\n  test_fraction: 0.1\n"
+        "  max_bytes: 0\n  instructions: none\n  instructions_max_records: 0\n  graphs: [Cora]\n",
+    )
     cfg = config.load(Config, "prepare_data", path)
     assert cfg.graphs == ("Cora",)
     with pytest.raises(config.ConfigError, match="graphs: unknown graph 'Karate'; valid: Cora, CiteSeer, PubMed"):

@@ -8,10 +8,9 @@ import subprocess
 
 import pytest
 import yaml
+from conftest import ROOT
 
 from pipelines import dag
-
-from conftest import ROOT
 
 
 def copy_repo(dest):
@@ -70,8 +69,10 @@ def test_foreach_stages_map_to_dvc_foreach_and_snakemake_wildcards(tmp_path):
     doc = yaml.safe_load(table.read_text())
     doc["stages"]["per_model"] = {
         "args": "--model ${item} --output data/per_model/${item}",
-        "deps": ["data/tokenize", "stages/report.py"], "params": ["report"],
-        "outs": ["data/per_model/${item}"], "metrics": ["data/per_model/${item}/metrics.json"],
+        "deps": ["data/tokenize", "stages/report.py"],
+        "params": ["report"],
+        "outs": ["data/per_model/${item}"],
+        "metrics": ["data/per_model/${item}/metrics.json"],
         "foreach": ["small", "large"],
     }
     table.write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import MIRROR, ROOT
 
 pytestmark = pytest.mark.e2e
@@ -30,8 +29,12 @@ DOWNSTREAM = {"tokenize", "pretrain", "extend_context", "finetune_qlora", "eval_
 
 
 def env_for(cwd: Path) -> dict:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PIPELINE_DATA_MIRROR": str(MIRROR), "PYTHONPATH": str(cwd)}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PIPELINE_DATA_MIRROR": str(MIRROR),
+        "PYTHONPATH": str(cwd),
+    }
     for key in ("MLFLOW_TRACKING_URI", "PIPELINE_RUN_ID", "PIPELINE_SNAKEMAKE"):
         env.pop(key, None)  # the embedded defaults: sqlite in the clone, one group per invocation
     return env
@@ -66,15 +69,19 @@ def set_growth(clone: Path, value: float) -> None:
 def clone(tmp_path_factory, mirror) -> Path:
     """The working tree (tracked and new files) as a fresh git repository, with the ci preset."""
     dest = tmp_path_factory.mktemp("clone")
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.split(b"\0")
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.split(b"\0")
     for name in filter(None, files):
         src = ROOT / name.decode()
         if src.is_file():
             (dest / name.decode()).parent.mkdir(parents=True, exist_ok=True)
             (dest / name.decode()).write_bytes(src.read_bytes())
-    sh("git init -q && python -m pipelines.preset ci && git add -A && "
-       "git -c user.name=ci -c user.email=ci@localhost commit -qm clone", dest)
+    sh(
+        "git init -q && python -m pipelines.preset ci && git add -A && "
+        "git -c user.name=ci -c user.email=ci@localhost commit -qm clone",
+        dest,
+    )
     return dest
 
 
@@ -101,9 +108,14 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     assert snakemake_ran(out) == {"prepare_data", *DOWNSTREAM, "train_gnn"}
     assert UP_TO_DATE in sh("dvc status", clone), "snakemake commits every stage to dvc.lock"
     results = (clone / "reports/results.md").read_text()
-    assert "| result | paper | relation | published | ours | tolerance | pass | stage | git_commit | data_hashes |" in results
+    assert (
+        "| result | paper | relation | published | ours | tolerance | pass | stage | git_commit | data_hashes |"
+        in results
+    )
     assert "### tokenize" in results and (clone / "reports/results.json").is_file()
-    assert "| GCN test accuracy on Cora (%), mean of 2 seeds | Kipf & Welling 2017 (GCN), Table 2 | = | 81.5 |" in results
+    assert (
+        "| GCN test accuracy on Cora (%), mean of 2 seeds | Kipf & Welling 2017 (GCN), Table 2 | = | 81.5 |" in results
+    )
     assert "data/train_gnn/plots/accuracy.png" in results
     # The context-extension study: every method x length cell filled, its findings in the report.
     study = json.loads((clone / "data/context_study/study.json").read_text())
@@ -133,7 +145,9 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     assert snakemake_ran(sh("snakemake --cores 2 -n", clone)) == {"context_study", "report"}
     # A sweep point as a DVC experiment: the same two stages, recorded with its params and metrics.
     assert dvc_ran(sh("dvc exp run -S context_study.unscaled_growth=1.25 -n growth-1.25", clone)) == {
-        "context_study", "report"}
+        "context_study",
+        "report",
+    }
     table = csv.DictReader(io.StringIO(sh("dvc exp show --csv", clone)))
     assert next(r for r in table if r["Experiment"] == "growth-1.25")["context_study.unscaled_growth"] == "1.25"
     metrics = sh("dvc metrics show", clone)
@@ -183,8 +197,21 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     # The environment's snakemake started by its path, without the environment on PATH: the rules run its
     # python and dvc, not the system's.
     bare = {**env_for(clone), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([str(Path(sys.executable).parent / "snakemake"), "context_study", "--cores", "2",
-                           "--forcerun", "context_study"], cwd=clone, env=bare, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "snakemake"),
+            "context_study",
+            "--cores",
+            "2",
+            "--forcerun",
+            "context_study",
+        ],
+        cwd=clone,
+        env=bare,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0 and snakemake_ran(proc.stdout + proc.stderr) == {"context_study"}, proc.stderr[-3000:]
     assert "context_study:" not in sh("dvc status", clone), "the rule's dvc commit ran too"
 
@@ -213,8 +240,15 @@ def start_and_stop_mid_pretrain(clone: Path, run: str, stop) -> None:
     """Start the pipeline, wait for pretrain's first checkpoint of this run, then stop it with `stop`."""
     checkpoints = clone / "checkpoints" / "pretrain"
     before = set(checkpoints.glob("*/step-*"))
-    proc = subprocess.Popen(run, shell=True, cwd=clone, env=env_for(clone), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        run,
+        shell=True,
+        cwd=clone,
+        env=env_for(clone),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 600
     while not set(checkpoints.glob("*/step-*")) - before:
         assert proc.poll() is None, "the pipeline ended before pretrain wrote a checkpoint"
@@ -264,8 +298,16 @@ def test_stopped_pipeline_resumes_from_the_stage_checkpoint(clone):
     set_pretrain(clone, steps=1500)
     checkpoints = clone / "checkpoints" / "pretrain"
     before = set(checkpoints.glob("*/step-*"))
-    dvc = subprocess.Popen("dvc repro pretrain", shell=True, cwd=clone, env=env_for(clone), start_new_session=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    dvc = subprocess.Popen(
+        "dvc repro pretrain",
+        shell=True,
+        cwd=clone,
+        env=env_for(clone),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 600
     while not set(checkpoints.glob("*/step-*")) - before:
         assert dvc.poll() is None and time.time() < deadline, "dvc repro pretrain wrote no checkpoint"

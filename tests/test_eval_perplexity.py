@@ -8,6 +8,7 @@ that no earlier window scored, one window at a time, in float64.
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import shutil
@@ -15,11 +16,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import ci_params, run_stage
 
 from stages import eval_perplexity, tokenize
 from stages.common import config, dist, shards
-
-from conftest import ci_params, run_stage
 
 REL = 1e-6
 MAX_POSITIONS = 64
@@ -29,10 +29,21 @@ def tiny_llama(vocab_size: int, seed: int = 0, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS,
-                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=1,
-                      initializer_range=0.2, **overrides)  # larger init: predictions depend on the context
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=1,
+        initializer_range=0.2,
+        **overrides,
+    )  # larger init: predictions depend on the context
     return LlamaForCausalLM(cfg)
 
 
@@ -73,10 +84,24 @@ def assets(tmp_path_factory, mirror):
     ids.append(hf_tok.eos_token_id)
     writer = shards.ShardWriter(out, "test", shards.dtype_for(len(hf_tok)), shard_tokens=500)
     writer.write(np.array(ids))
-    meta = {"format": shards.FORMAT, "dtype": "uint16", "vocab_size": len(hf_tok), "bos_token_id": 0,
-            "eos_token_id": 0, "pad_token_id": 1, "shard_tokens": 500,
-            "splits": {"test": {"tokens": len(ids), "bytes": len(text.encode()), "words": len(text.split()),
-                                "documents": 1, "shards": writer.close()}}}
+    meta = {
+        "format": shards.FORMAT,
+        "dtype": "uint16",
+        "vocab_size": len(hf_tok),
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 1,
+        "shard_tokens": 500,
+        "splits": {
+            "test": {
+                "tokens": len(ids),
+                "bytes": len(text.encode()),
+                "words": len(text.split()),
+                "documents": 1,
+                "shards": writer.close(),
+            }
+        },
+    }
     (out / "meta.json").write_text(json.dumps(meta))
     ci_params(root)
     return root
@@ -105,7 +130,7 @@ def reference(model, ids: list[int], context: int, stride: int) -> dict:
     done[0] = True  # the first token has no context
     total, pos_nll, pos_n = 0.0, np.zeros(context), np.zeros(context)
     for begin in range(0, n - 1, stride):
-        x = ids[begin:min(begin + context, n - 1)]
+        x = ids[begin : min(begin + context, n - 1)]
         logp = torch.log_softmax(model(torch.tensor([x])).logits[0].double(), dim=-1)
         for j in range(len(x)):
             t = begin + j + 1
@@ -139,14 +164,25 @@ def check_against(got: dict, ref: dict, n_bytes: int, n_words: int, edges=()):
     if edges:
         context = len(ref["pos_n"])
         bounds = [0, *[e for e in edges if e < context], context]
-        for lo, hi in zip(bounds, bounds[1:]):
+        for lo, hi in itertools.pairwise(bounds):
             bucket = got["buckets"][f"{lo}-{hi}"]
             assert bucket["tokens"] == ref["pos_n"][lo:hi].sum()
             assert bucket["nll"] == pytest.approx(ref["pos_nll"][lo:hi].sum() / ref["pos_n"][lo:hi].sum(), rel=REL)
 
 
-SHARD_RUN = ["--models", "tiny=model", "--input", "shards", "--output", "out/shards", "contexts=[48,96]",
-             "stride=20", "batch_size=3", "extrapolate=true", "position_buckets=[16,48]"]
+SHARD_RUN = [
+    "--models",
+    "tiny=model",
+    "--input",
+    "shards",
+    "--output",
+    "out/shards",
+    "contexts=[48,96]",
+    "stride=20",
+    "batch_size=3",
+    "extrapolate=true",
+    "position_buckets=[16,48]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -160,15 +196,29 @@ def shard_run(assets):
 def test_non_overlapping_windows_match_reference_with_and_without_adapter(in_root):
     ids = text_ids(in_root)
     assert (len(ids) - 1) % 32 and (len(ids) - 1) % 64, "the text is not a multiple of the stride"
-    metrics = eval_perplexity.main(["--models", "base=model", "lora=model+adapter", "--text", "eval.txt",
-                                    "--output", "out/text", "contexts=[32,64]", "stride=null", "batch_size=4"])
+    metrics = eval_perplexity.main(
+        [
+            "--models",
+            "base=model",
+            "lora=model+adapter",
+            "--text",
+            "eval.txt",
+            "--output",
+            "out/text",
+            "contexts=[32,64]",
+            "stride=null",
+            "batch_size=4",
+        ]
+    )
     text = (in_root / "eval.txt").read_text()
     n_bytes, n_words = len(text.encode()), len(text.split())
     assert (metrics["bytes"], metrics["words"]) == (n_bytes, n_words)
     for label, adapter in (("base", False), ("lora", True)):
         model = load(in_root, adapter)
         for context in (32, 64):
-            check_against(metrics["models"][label][f"ctx{context}"], reference(model, ids, context, context), n_bytes, n_words)
+            check_against(
+                metrics["models"][label][f"ctx{context}"], reference(model, ids, context, context), n_bytes, n_words
+            )
     base, lora = (metrics["models"][k]["ctx64"]["nll"] for k in ("base", "lora"))
     assert abs(base - lora) > 1e-3 * base, "the adapter changes the model"
 
@@ -210,12 +260,18 @@ def test_two_processes_give_the_numbers_of_one(shard_run, assets):
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{assets / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("pipeline").experiment_id],
-                              filter_string="tags.world_size = '2'")
+    runs = client.search_runs(
+        [client.get_experiment_by_name("pipeline").experiment_id], filter_string="tags.world_size = '2'"
+    )
     assert len(runs) == 1 and runs[0].data.tags["stage"] == "eval_perplexity" and runs[0].info.status == "FINISHED"
     history = client.get_metric_history(runs[0].info.run_id, "tiny.perplexity")
     assert sorted(m.step for m in history) == [48, 96]
-    assert {a.path for a in client.list_artifacts(runs[0].info.run_id)} >= {"metrics.json", "meta.json", "table.csv", "plots"}
+    assert {a.path for a in client.list_artifacts(runs[0].info.run_id)} >= {
+        "metrics.json",
+        "meta.json",
+        "table.csv",
+        "plots",
+    }
     # The CPU the kernels were chosen for, with the results (meta.json) and on the run.
     cpu = dist.cpu_info()
     assert runs[0].data.tags["cpu_capability"] == cpu["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
@@ -259,13 +315,13 @@ def test_bits_per_byte_and_word_perplexity_by_hand(tmp_path, monkeypatch):
     assert m["perplexity"] == pytest.approx(258, rel=REL)
     assert m["bits_per_byte"] == pytest.approx(15 / 16 * math.log2(258), rel=REL)
     assert m["byte_perplexity"] == pytest.approx(258 ** (15 / 16), rel=REL)
-    assert m["word_perplexity"] == pytest.approx(258.0 ** 5, rel=REL)
+    assert m["word_perplexity"] == pytest.approx(258.0**5, rel=REL)
 
     # max_tokens=6 keeps "naïve" (6 bytes, 1 word); with bos first, all 6 tokens are scored.
     m = eval_perplexity.main([*args, "contexts=[4]", "stride=3", "max_tokens=6"])["models"]["bytes"]["ctx4"]
     assert m["tokens"] == 6
     assert m["bits_per_byte"] == pytest.approx(math.log2(258), rel=REL)
-    assert m["word_perplexity"] == pytest.approx(258.0 ** 6, rel=REL)
+    assert m["word_perplexity"] == pytest.approx(258.0**6, rel=REL)
 
 
 @pytest.fixture(scope="module")
@@ -282,21 +338,33 @@ def broken(assets):
     return root
 
 
-@pytest.mark.parametrize("args, message", [
-    (["contexts=[128]"], "context 128 is longer than model 'tiny' was configured for (64 positions); "
-                         "set eval_perplexity.extrapolate: true"),
-    (["stride=0"], "eval_perplexity.stride must be between 1 and the smallest context (64), got 0"),
-    (["contexts=[32,64]", "stride=33"], "eval_perplexity.stride must be between 1 and the smallest context (32)"),
-    (["max_tokens=40"], "the split has 41 tokens, fewer than one window of context 64"),
-    (["--models", "tiny=broken/small_vocab"], "tokenizer vocab (320 ids) does not fit model 'tiny' (config.vocab_size 200)"),
-    (["--models", "tiny=broken/no_weights"], "broken/no_weights has no weights (model.safetensors"),
-    (["--models", "tiny=broken/lost_shard"], "lacks model-00002-of-00005.safetensors (listed in model.safetensors.index.json)"),
-    (["--models", "tiny=nowhere"], "--models tiny: nowhere not found"),
-    (["--models", "tiny=model+broken/empty_adapter"], "broken/empty_adapter has no adapter_config.json"),
-    (["split=val"], "no split 'val'"),
-    (["--input", "broken/no_tokenizer"], "eval_perplexity: no tokenizer in broken/no_tokenizer/tokenizer"),
-    (["contexts=[64,32]"], "eval_perplexity.contexts must be a non-empty list of increasing positive ints"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["contexts=[128]"],
+            "context 128 is longer than model 'tiny' was configured for (64 positions); "
+            "set eval_perplexity.extrapolate: true",
+        ),
+        (["stride=0"], "eval_perplexity.stride must be between 1 and the smallest context (64), got 0"),
+        (["contexts=[32,64]", "stride=33"], "eval_perplexity.stride must be between 1 and the smallest context (32)"),
+        (["max_tokens=40"], "the split has 41 tokens, fewer than one window of context 64"),
+        (
+            ["--models", "tiny=broken/small_vocab"],
+            "tokenizer vocab (320 ids) does not fit model 'tiny' (config.vocab_size 200)",
+        ),
+        (["--models", "tiny=broken/no_weights"], "broken/no_weights has no weights (model.safetensors"),
+        (
+            ["--models", "tiny=broken/lost_shard"],
+            "lacks model-00002-of-00005.safetensors (listed in model.safetensors.index.json)",
+        ),
+        (["--models", "tiny=nowhere"], "--models tiny: nowhere not found"),
+        (["--models", "tiny=model+broken/empty_adapter"], "broken/empty_adapter has no adapter_config.json"),
+        (["split=val"], "no split 'val'"),
+        (["--input", "broken/no_tokenizer"], "eval_perplexity: no tokenizer in broken/no_tokenizer/tokenizer"),
+        (["contexts=[64,32]"], "eval_perplexity.contexts must be a non-empty list of increasing positive ints"),
+    ],
+)
 def test_clear_errors_before_any_compute(in_root, broken, args, message):
     base = ["--models", "tiny=model", "--input", "shards", "--output", "out/bad", "contexts=[64]", "extrapolate=false"]
     before = (in_root / "mlflow.db").stat().st_mtime_ns if (in_root / "mlflow.db").exists() else None

@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import run_stage
+
 from stages import extend_context
 from stages.common import config, shards
 
@@ -20,9 +20,17 @@ L, S, THETA, HEAD_DIM = 64, 4.0, 10000.0, 16
 def base_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=L,
-                       rope_parameters={"rope_type": "default", "rope_theta": THETA}, tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=L,
+        rope_parameters={"rope_type": "default", "rope_theta": THETA},
+        tie_word_embeddings=False,
+    )
 
 
 def rotary(spec: dict | None, positions: int):
@@ -49,10 +57,10 @@ wavelength = 2 * math.pi / theta_i
 
 def test_unscaled_is_plain_rope_and_linear_divides_positions_by_s():
     pos = torch.arange(4 * L)
-    for got, want in zip(rotary(None, 4 * L), expected(theta_i, pos)):
+    for got, want in zip(rotary(None, 4 * L), expected(theta_i, pos), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     # Position interpolation (Chen et al. 2023): position m is read as m / s.
-    for got, want in zip(rotary({"rope_type": "linear"}, 4 * L), expected(theta_i, pos / S)):
+    for got, want in zip(rotary({"rope_type": "linear"}, 4 * L), expected(theta_i, pos / S), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
@@ -61,7 +69,7 @@ def test_dynamic_ntk_rescales_the_base_only_beyond_L():
         # Dynamic NTK: base' = base * (s * n / L - (s - 1)) ** (d / (d - 2)) for a sequence of n > L tokens.
         base = THETA * ((S * n / L) - (S - 1)) ** (HEAD_DIM / (HEAD_DIM - 2)) if n > L else THETA
         inv = 1.0 / base ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
-        for got, want in zip(rotary({"rope_type": "dynamic"}, n), expected(inv, torch.arange(n))):
+        for got, want in zip(rotary({"rope_type": "dynamic"}, n), expected(inv, torch.arange(n)), strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
@@ -80,7 +88,7 @@ def test_yarn_ramps_frequencies_by_rotations_per_context_and_scales_attention():
     assert torch.equal(inv[r > beta], theta_i[r > beta]) and torch.allclose(inv[r < alpha], theta_i[r < alpha] / S)
     # Attention temperature: sqrt(1 / t) = 0.1 ln s + 1 multiplies cos and sin (so q.k by its square).
     scale = 0.1 * math.log(S) + 1
-    for got, want in zip(rotary(spec, 4 * L), expected(inv, torch.arange(4 * L), scale)):
+    for got, want in zip(rotary(spec, 4 * L), expected(inv, torch.arange(4 * L), scale), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
@@ -88,24 +96,32 @@ def test_llama3_keeps_short_wavelengths_divides_long_ones_and_blends_between():
     low_f, high_f = 1.0, 4.0
     spec = {"rope_type": "llama3", "low_freq_factor": low_f, "high_freq_factor": high_f}
     smooth = (L / wavelength - low_f) / (high_f - low_f)
-    inv = torch.where(wavelength < L / high_f, theta_i,
-                      torch.where(wavelength > L / low_f, theta_i / S, (1 - smooth) * theta_i / S + smooth * theta_i))
+    inv = torch.where(
+        wavelength < L / high_f,
+        theta_i,
+        torch.where(wavelength > L / low_f, theta_i / S, (1 - smooth) * theta_i / S + smooth * theta_i),
+    )
     bands = [(wavelength < L / high_f).sum(), ((wavelength >= L / high_f) & (wavelength <= L / low_f)).sum()]
     assert min(bands) > 0  # the test model has frequencies in every band
-    for got, want in zip(rotary(spec, 4 * L), expected(inv, torch.arange(4 * L))):
+    for got, want in zip(rotary(spec, 4 * L), expected(inv, torch.arange(4 * L)), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("variants={big: {rope_type: longer}}", "unknown scaling type 'longer'; valid: linear, dynamic, yarn, llama3"),
-    ("factor=1", "factor must be greater than 1"),
-    ("factor=0.5", "factor must be greater than 1"),
-    ("variants={l3: {rope_type: llama3, low_freq_factor: 1}}", "rope_type llama3 needs low_freq_factor, "
-                                                               "high_freq_factor; add high_freq_factor"),
-    ("variants={y: {rope_type: yarn, beta: 3}}", "variants.y.beta: not a key of rope_type yarn"),
-    ("finetune=[ntk]", "finetune: ntk is not a variant; valid: unscaled, linear, dynamic, yarn, llama3"),
-    ("precision=fp16", "extend_context.precision: unknown precision 'fp16'; valid: auto, fp32, bf16"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("variants={big: {rope_type: longer}}", "unknown scaling type 'longer'; valid: linear, dynamic, yarn, llama3"),
+        ("factor=1", "factor must be greater than 1"),
+        ("factor=0.5", "factor must be greater than 1"),
+        (
+            "variants={l3: {rope_type: llama3, low_freq_factor: 1}}",
+            "rope_type llama3 needs low_freq_factor, high_freq_factor; add high_freq_factor",
+        ),
+        ("variants={y: {rope_type: yarn, beta: 3}}", "variants.y.beta: not a key of rope_type yarn"),
+        ("finetune=[ntk]", "finetune: ntk is not a variant; valid: unscaled, linear, dynamic, yarn, llama3"),
+        ("precision=fp16", "extend_context.precision: unknown precision 'fp16'; valid: auto, fp32, bf16"),
+    ],
+)
 def test_bad_params_are_clear_errors(workdir, override, message):
     with pytest.raises(config.ConfigError, match=re.escape(message)):
         extend_context.main(["--base", "nowhere", override])
@@ -115,8 +131,16 @@ def test_missing_base_weights_is_a_clear_error(tokenized, tmp_path):
     base = tmp_path / "base"
     base_config().save_pretrained(base)
     with pytest.raises(config.UserError, match="has no weights"):
-        extend_context.main(["--params", str(tokenized / "params.yaml"), "--base", str(base),
-                             "--input", str(tokenized / "data/tokenize")])
+        extend_context.main(
+            [
+                "--params",
+                str(tokenized / "params.yaml"),
+                "--base",
+                str(base),
+                "--input",
+                str(tokenized / "data/tokenize"),
+            ]
+        )
 
 
 @pytest.fixture(scope="module")
@@ -135,29 +159,56 @@ def base_model(tokenized, tmp_path_factory):
 
 
 def stage_args(tokenized, base, out):
-    return ["--params", str(tokenized / "params.yaml"), "--base", str(base), "--input", str(tokenized / "data/tokenize"),
-            "--output", str(out)]
+    return [
+        "--params",
+        str(tokenized / "params.yaml"),
+        "--base",
+        str(base),
+        "--input",
+        str(tokenized / "data/tokenize"),
+        "--output",
+        str(out),
+    ]
 
 
 def test_two_processes_write_every_variant_and_resume_exactly(tokenized, base_model, tmp_path):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     common = ["finetune=[unscaled,linear]", "steps=4", "checkpoint_every=1"]
-    run_stage("extend_context", [*stage_args(tokenized, base_model, tmp_path / "a"), *common], cwd=tmp_path, nproc=2,
-              PIPELINE_CHECKPOINTS=str(tmp_path / "ckpt_a"))
+    run_stage(
+        "extend_context",
+        [*stage_args(tokenized, base_model, tmp_path / "a"), *common],
+        cwd=tmp_path,
+        nproc=2,
+        PIPELINE_CHECKPOINTS=str(tmp_path / "ckpt_a"),
+    )
     # Killed while writing the checkpoint after step 3, then re-run: resumes from step 2 and ends identical.
-    killed = run_stage("extend_context", [*stage_args(tokenized, base_model, tmp_path / "b"), *common], cwd=tmp_path,
-                       nproc=2, check=False, PIPELINE_CHECKPOINTS=str(tmp_path / "ckpt_b"), PIPELINE_FAULT_IN_CHECKPOINT="3")
+    killed = run_stage(
+        "extend_context",
+        [*stage_args(tokenized, base_model, tmp_path / "b"), *common],
+        cwd=tmp_path,
+        nproc=2,
+        check=False,
+        PIPELINE_CHECKPOINTS=str(tmp_path / "ckpt_b"),
+        PIPELINE_FAULT_IN_CHECKPOINT="3",
+    )
     assert killed.returncode != 0 and not (tmp_path / "b").exists()
-    resumed = run_stage("extend_context", [*stage_args(tokenized, base_model, tmp_path / "b"), *common], cwd=tmp_path,
-                        nproc=2, PIPELINE_CHECKPOINTS=str(tmp_path / "ckpt_b"))
+    resumed = run_stage(
+        "extend_context",
+        [*stage_args(tokenized, base_model, tmp_path / "b"), *common],
+        cwd=tmp_path,
+        nproc=2,
+        PIPELINE_CHECKPOINTS=str(tmp_path / "ckpt_b"),
+    )
     assert "(step 2)" in resumed.stdout and "resuming from" in resumed.stdout
     assert not list((tmp_path / "ckpt_b").rglob("step-*"))  # spent checkpoints are removed once published
 
     meta = json.loads((tmp_path / "a/meta.json").read_text())
     assert set(meta["variants"]) == {"unscaled", "linear", "dynamic", "yarn", "llama3", "unscaled-ft", "linear-ft"}
     assert meta["original_context"] == L and meta["extended_context"] == 2 * L  # the ci preset's factor 2
-    losses = [json.loads((tmp_path / run / "metrics.json").read_text())["linear-ft"]["final_train_loss"] for run in "ab"]
+    losses = [
+        json.loads((tmp_path / run / "metrics.json").read_text())["linear-ft"]["final_train_loss"] for run in "ab"
+    ]
     assert losses[0] == losses[1]
     x = torch.randint(0, 400, (2, 3 * L))  # positions beyond L, and beyond s x L
     for name, v in meta["variants"].items():
@@ -170,10 +221,19 @@ def test_two_processes_write_every_variant_and_resume_exactly(tokenized, base_mo
                 assert torch.equal(logits, b(x).logits), f"{name}: resumed run differs"
             else:
                 # A zero-shot variant is the base's weights under the variant's RoPE, built here directly.
-                spec = None if name == "unscaled" else {k: w for k, w in v["rope_parameters"].items()
-                                                        if k not in ("factor", "rope_theta", "original_max_position_embeddings")}
-                ref = LlamaForCausalLM.from_pretrained(base_model, config=extend_context.scaled_config(
-                    a.config.__class__.from_pretrained(base_model), spec, 2.0, L))
+                spec = (
+                    None
+                    if name == "unscaled"
+                    else {
+                        k: w
+                        for k, w in v["rope_parameters"].items()
+                        if k not in ("factor", "rope_theta", "original_max_position_embeddings")
+                    }
+                )
+                ref = LlamaForCausalLM.from_pretrained(
+                    base_model,
+                    config=extend_context.scaled_config(a.config.__class__.from_pretrained(base_model), spec, 2.0, L),
+                )
                 torch.testing.assert_close(logits, ref(x).logits, atol=0, rtol=0)
     assert (tmp_path / "a/plots/finetune_loss.png").is_file()
 
@@ -184,8 +244,18 @@ def test_eval_reads_a_folder_of_variants(tokenized, base_model, tmp_path, monkey
     run_stage("extend_context", [*stage_args(tokenized, base_model, tmp_path / "ec"), "finetune=[]"], cwd=tmp_path)
     monkeypatch.chdir(tmp_path)
     shutil.copy(tokenized / "params.yaml", tmp_path / "params.yaml")
-    metrics = eval_perplexity.main(["--models", "extend_context=ec/model", "--input", str(tokenized / "data/tokenize"),
-                                    "--output", "ev", "contexts=[64,128]", "max_tokens=600"])
+    metrics = eval_perplexity.main(
+        [
+            "--models",
+            "extend_context=ec/model",
+            "--input",
+            str(tokenized / "data/tokenize"),
+            "--output",
+            "ev",
+            "contexts=[64,128]",
+            "max_tokens=600",
+        ]
+    )
     assert set(metrics["models"]) == {"unscaled", "linear", "dynamic", "yarn", "llama3"}
     ppl = {m: v["ctx64"]["perplexity"] for m, v in metrics["models"].items()}
     assert ppl["unscaled"] == pytest.approx(ppl["dynamic"], rel=1e-6)  # dynamic NTK changes nothing up to L

@@ -11,16 +11,28 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, loss_curve, run_stage
 
 from stages import finetune_qlora as ft
 from stages import pretrain
 from stages.common import config, dist, instructions, loop
 
-from conftest import ROOT, loss_curve, run_stage
-
-PRETRAIN = ["n_layers=2", "hidden_size=64", "n_heads=4", "n_kv_heads=2", "intermediate_size=128",
-            "max_position_embeddings=64", "context_length=64", "steps=4", "batch_size=8", "micro_batch_size=4",
-            "warmup_steps=1", "eval_every=0", "checkpoint_every=0", "log_every=2"]
+PRETRAIN = [
+    "n_layers=2",
+    "hidden_size=64",
+    "n_heads=4",
+    "n_kv_heads=2",
+    "intermediate_size=128",
+    "max_position_embeddings=64",
+    "context_length=64",
+    "steps=4",
+    "batch_size=8",
+    "micro_batch_size=4",
+    "warmup_steps=1",
+    "eval_every=0",
+    "checkpoint_every=0",
+    "log_every=2",
+]
 # Merged weights W + BA against W x + B(A x) in fp32: the same up to rounding.
 MERGE_ATOL = 1e-4
 
@@ -43,14 +55,33 @@ def monkeypatch_module():
         yield mp
 
 
-TINY = ["steps=4", "batch_size=8", "micro_batch_size=2", "lr=0.01", "warmup_steps=1", "eval_every=2",
-        "checkpoint_every=0", "log_every=2", "lora_r=4", "lora_alpha=8", "lora_dropout=0.0", "seq_length=64",
-        "template=short", "eval_fraction=0.1"]
+TINY = [
+    "steps=4",
+    "batch_size=8",
+    "micro_batch_size=2",
+    "lr=0.01",
+    "warmup_steps=1",
+    "eval_every=2",
+    "checkpoint_every=0",
+    "log_every=2",
+    "lora_r=4",
+    "lora_alpha=8",
+    "lora_dropout=0.0",
+    "seq_length=64",
+    "template=short",
+    "eval_fraction=0.1",
+]
 
 
 def finetune(root, out, nproc, *extra, check=True, **env):
-    return run_stage("finetune_qlora", ["--input", "data/prepare_data", "--output", out, *TINY, *extra],
-                     cwd=root, nproc=nproc, check=check, **env)
+    return run_stage(
+        "finetune_qlora",
+        ["--input", "data/prepare_data", "--output", out, *TINY, *extra],
+        cwd=root,
+        nproc=nproc,
+        check=check,
+        **env,
+    )
 
 
 def load_base(root, quantized=True):
@@ -87,7 +118,9 @@ def test_one_process_trains_and_its_outputs_load_in_peft_and_transformers(base):
     with torch.no_grad():
         want = trained(input_ids=x).logits
         before = eval_loss(load_base(base), base)
-        assert out["eval_loss"] < before - 0.05, f"fine-tuning lowers eval loss: {before} -> {out['eval_loss']} ({losses})"
+        assert out["eval_loss"] < before - 0.05, (
+            f"fine-tuning lowers eval loss: {before} -> {out['eval_loss']} ({losses})"
+        )
         # The saved adapter on a freshly quantized base computes what the trained model computed.
         reloaded = PeftModel.from_pretrained(load_base(base), base / "one/adapter").eval()
         torch.testing.assert_close(reloaded(input_ids=x).logits, want, rtol=0, atol=1e-6)
@@ -155,12 +188,18 @@ def test_only_response_tokens_carry_loss(base):
     assert x[0, 0] == tok.bos_token_id and x[0, 1 : n - 1].tolist() == prompt + response[:-1]
     # The loss is the mean over response targets only: logits at prompt positions do not change it.
     logits = torch.randn(1, 64, len(tok))
-    model = lambda input_ids, use_cache: SimpleNamespace(logits=logits)
+
+    def model(input_ids, use_cache):
+        return SimpleNamespace(logits=logits)
+
     keep = torch.from_numpy(y[0] != loop.IGNORE_INDEX)
     want = torch.nn.functional.cross_entropy(logits[0, keep], torch.from_numpy(y[0])[keep])
     loss = loop.lm_loss(model, torch.from_numpy(x), torch.from_numpy(y)).item()
     logits[0, ~keep] += 100 * torch.randn_like(logits[0, ~keep])
-    assert loss == pytest.approx(want.item()) and loop.lm_loss(model, torch.from_numpy(x), torch.from_numpy(y)).item() == loss
+    assert (
+        loss == pytest.approx(want.item())
+        and loop.lm_loss(model, torch.from_numpy(x), torch.from_numpy(y)).item() == loss
+    )
     # A prompt that fills the sequence leaves no response token: the record is dropped.
     assert instructions.encode([{**rec, "instruction": "word " * 200}], tok, "short", 64)[2] == 1
 
@@ -189,12 +228,16 @@ def test_errors_before_any_compute(base, tmp_path):
     bad.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n" + json.dumps({"instruction": "c"}) + "\n")
     with pytest.raises(config.UserError, match="bad.jsonl:2: record lacks output"):
         ft.main(["--input", str(bad), *args[2:]])
-    with pytest.raises(config.UserError, match="seq_length \\(128\\) exceeds the base model's max_position_embeddings \\(64\\)"):
+    with pytest.raises(
+        config.UserError, match="seq_length \\(128\\) exceeds the base model's max_position_embeddings \\(64\\)"
+    ):
         ft.main([*args, "seq_length=128"])
     assert not (base / "bad").exists()
     cfg = config.load(ft.Config, ft.STAGE, base / "params.yaml", [*TINY, "quant_storage=uint8"])
     two = dist.Runtime(0, 2, 0, 2, torch.device("cpu"))
-    with pytest.raises(config.UserError, match="quant_storage=uint8: FSDP cannot shard torch.uint8 .* set quant_storage: auto"):
+    with pytest.raises(
+        config.UserError, match="quant_storage=uint8: FSDP cannot shard torch.uint8 .* set quant_storage: auto"
+    ):
         ft.check_parallelism(cfg, two)
     ft.check_parallelism(config.load(ft.Config, ft.STAGE, base / "params.yaml", TINY), two)
 
@@ -205,11 +248,20 @@ def test_step_loss_is_the_mean_over_target_tokens(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+        )
+    )
     x = torch.randint(0, 50, (2, 16))
     y = torch.full((2, 16), loop.IGNORE_INDEX)
-    y[0, -1] = 7           # micro-batch 0: one target
+    y[0, -1] = 7  # micro-batch 0: one target
     y[1, 2:] = torch.cat([x[1, 3:], torch.tensor([3])])  # micro-batch 1: 14 targets
 
     class Source:
@@ -220,10 +272,28 @@ def test_step_loss_is_the_mean_over_target_tokens(tmp_path):
         want = loop.lm_loss(model, x, y).item()  # one cross-entropy over all 15 targets
         mean_of_means = (loop.lm_loss(model, x[:1], y[:1]) + loop.lm_loss(model, x[1:], y[1:])).item() / 2
     assert abs(want - mean_of_means) > 1e-3, "the two micro-batches must disagree for this test to mean anything"
-    cfg = loop.LoopConfig(steps=1, batch_size=2, micro_batch_size=1, context_length=16, lr=1e-3, min_lr=0.0,
-                          warmup_steps=0, weight_decay=0.0, beta1=0.9, beta2=0.95, grad_clip=1.0, strategy="ddp",
-                          activation_checkpointing=False, compile=False, eval_every=0, eval_batches=1,
-                          checkpoint_every=0, log_every=1, seed=0, peak_tflops=1.0)
+    cfg = loop.LoopConfig(
+        steps=1,
+        batch_size=2,
+        micro_batch_size=1,
+        context_length=16,
+        lr=1e-3,
+        min_lr=0.0,
+        warmup_steps=0,
+        weight_decay=0.0,
+        beta1=0.9,
+        beta2=0.95,
+        grad_clip=1.0,
+        strategy="ddp",
+        activation_checkpointing=False,
+        compile=False,
+        eval_every=0,
+        eval_batches=1,
+        checkpoint_every=0,
+        log_every=1,
+        seed=0,
+        peak_tflops=1.0,
+    )
     rt = dist.Runtime(0, 1, 0, 1, torch.device("cpu"))
     tracker = SimpleNamespace(log_metrics=lambda *a, **k: None)
     result = loop.train(model, Source(), Source(), cfg, rt, tmp_path / "ckpt", tracker, dist.StopFlag())
@@ -241,9 +311,18 @@ def test_gradients_after_a_no_grad_eval_equal_the_dequantized_reference(tmp_path
 
     torch.manual_seed(0)
     # Every output width a multiple of 32: the widths bitsandbytes' CPU kernel packs.
-    LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                 tie_word_embeddings=False)).save_pretrained(tmp_path / "base")
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=96,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            tie_word_embeddings=False,
+        )
+    ).save_pretrained(tmp_path / "base")
     overrides = [*TINY, f"base={tmp_path / 'base'}", "seq_length=32", "micro_batch_size=4", "batch_size=4"]
     cfg = config.load(ft.Config, ft.STAGE, ROOT / "params.yaml", overrides)
     cpu = torch.device("cpu")
@@ -262,8 +341,9 @@ def test_gradients_after_a_no_grad_eval_equal_the_dequantized_reference(tmp_path
 
     lcfg = ft.loop_config(cfg, eval_batches=1)
     loop.evaluate(model, Source(), lcfg, dist.Runtime(0, 1, 0, 1, cpu))  # model.eval() + no_grad, then train()
-    packed = [n for n, m in model.named_modules()
-              if getattr(getattr(m, "quant_state", None), "packing_format_for_cpu", False)]
+    packed = [
+        n for n, m in model.named_modules() if getattr(getattr(m, "quant_state", None), "packing_format_for_cpu", False)
+    ]
     assert not packed, f"the eval pass repacked {packed[:2]} for bitsandbytes' CPU inference kernel"
     loop.lm_loss(model, x, y).backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
@@ -278,8 +358,13 @@ def test_gradients_after_a_no_grad_eval_equal_the_dequantized_reference(tmp_path
     assert grads.keys() == want.keys() and len(grads) == 2 * 7 * 2  # A and B, 7 linear layers, 2 layers
     assert all(g is not None and g.abs().sum() > 0 for g in grads.values())
     for name in grads:
-        torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-7,
-                                   msg=lambda m: f"{name} (CPU bf16 kernel present: {has_avx512bf16()}): {m}")
+        torch.testing.assert_close(
+            grads[name],
+            want[name],
+            rtol=1e-5,
+            atol=1e-7,
+            msg=lambda m, name=name: f"{name} (CPU bf16 kernel present: {has_avx512bf16()}): {m}",
+        )
 
 
 def test_a_repacked_4bit_weight_fails_loudly(tmp_path):
@@ -289,13 +374,24 @@ def test_a_repacked_4bit_weight_fails_loudly(tmp_path):
     from bitsandbytes.functional import _convert_weight_packed_for_cpu
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                 tie_word_embeddings=False)).save_pretrained(tmp_path / "base")
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=96,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            tie_word_embeddings=False,
+        )
+    ).save_pretrained(tmp_path / "base")
     cfg = config.load(ft.Config, ft.STAGE, ROOT / "params.yaml", [*TINY, f"base={tmp_path / 'base'}", "seq_length=32"])
     model = ft.load_base(cfg, torch.device("cpu"), quantized=True)
     layer = model.model.layers[0].self_attn.q_proj
-    layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu(layer.weight.data, layer.weight.quant_state)
+    layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu(
+        layer.weight.data, layer.weight.quant_state
+    )
     assert ft.cpu_packed(layer)
     with pytest.raises(RuntimeError, match="repacked the 4-bit weight of model.layers.0.self_attn.q_proj"):
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))

@@ -7,14 +7,29 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import loss_curve, run_stage
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: bf16/nccl paths run on GPU machines")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU here: bf16/nccl paths run on GPU machines"
+)
 
-TINY = ["n_layers=2", "hidden_size=64", "n_heads=4", "n_kv_heads=2", "intermediate_size=128",
-        "max_position_embeddings=64", "context_length=64", "steps=12", "batch_size=8", "micro_batch_size=4",
-        "warmup_steps=2", "eval_every=6", "eval_batches=1", "checkpoint_every=6", "log_every=2"]
+TINY = [
+    "n_layers=2",
+    "hidden_size=64",
+    "n_heads=4",
+    "n_kv_heads=2",
+    "intermediate_size=128",
+    "max_position_embeddings=64",
+    "context_length=64",
+    "steps=12",
+    "batch_size=8",
+    "micro_batch_size=4",
+    "warmup_steps=2",
+    "eval_every=6",
+    "eval_batches=1",
+    "checkpoint_every=6",
+    "log_every=2",
+]
 
 
 def test_bf16_on_one_gpu_trains_and_saves_a_loadable_model(tokenized):
@@ -33,16 +48,34 @@ def test_bf16_on_one_gpu_trains_and_saves_a_loadable_model(tokenized):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl with 2 processes needs 2 GPUs")
 def test_fsdp_bf16_mixed_precision_matches_ddp_under_nccl(tokenized):
-    run_stage("pretrain", ["--input", "data/tokenize", "--output", "ddp", *TINY, "strategy=ddp"], cwd=tokenized, nproc=2)
-    run_stage("pretrain", ["--input", "data/tokenize", "--output", "fsdp", *TINY, "strategy=fsdp"], cwd=tokenized, nproc=2)
+    run_stage(
+        "pretrain", ["--input", "data/tokenize", "--output", "ddp", *TINY, "strategy=ddp"], cwd=tokenized, nproc=2
+    )
+    run_stage(
+        "pretrain", ["--input", "data/tokenize", "--output", "fsdp", *TINY, "strategy=fsdp"], cwd=tokenized, nproc=2
+    )
     # bf16 compute: the same losses to bf16 precision, not bitwise.
     np.testing.assert_allclose(loss_curve(tokenized, "fsdp"), loss_curve(tokenized, "ddp"), rtol=2e-2)
 
 
 def test_extend_context_fine_tunes_yarn_in_bf16(tokenized):
     run_stage("pretrain", ["--input", "data/tokenize", "--output", "gpu_base", *TINY], cwd=tokenized)
-    run_stage("extend_context", ["--base", "gpu_base/model", "--input", "data/tokenize", "--output", "gpu_ext",
-                                 "finetune=[yarn]", "steps=4", "batch_size=4", "micro_batch_size=4"], cwd=tokenized)
+    run_stage(
+        "extend_context",
+        [
+            "--base",
+            "gpu_base/model",
+            "--input",
+            "data/tokenize",
+            "--output",
+            "gpu_ext",
+            "finetune=[yarn]",
+            "steps=4",
+            "batch_size=4",
+            "micro_batch_size=4",
+        ],
+        cwd=tokenized,
+    )
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tokenized / "gpu_ext/model/yarn-ft").cuda()
@@ -59,8 +92,22 @@ def test_qlora_with_bf16_storage_and_compute_under_fsdp_and_nccl(tokenized):
     2 processes under nccl where there are 2 GPUs; the merged model is saved in fp32."""
     nproc = min(2, torch.cuda.device_count())
     run_stage("pretrain", ["--input", "data/tokenize", "--output", "qbase", *TINY], cwd=tokenized)
-    args = ["--input", "data/prepare_data", "--output", "qlora", "base=qbase/model", "template=short", "seq_length=64",
-            "steps=6", "batch_size=8", "micro_batch_size=2", "lr=0.01", "lora_r=4", "eval_every=3", "checkpoint_every=0"]
+    args = [
+        "--input",
+        "data/prepare_data",
+        "--output",
+        "qlora",
+        "base=qbase/model",
+        "template=short",
+        "seq_length=64",
+        "steps=6",
+        "batch_size=8",
+        "micro_batch_size=2",
+        "lr=0.01",
+        "lora_r=4",
+        "eval_every=3",
+        "checkpoint_every=0",
+    ]
     run_stage("finetune_qlora", args, cwd=tokenized, nproc=nproc)
     meta = json.loads((tokenized / "qlora/meta.json").read_text())
     assert meta["storage_dtype"] == meta["compute_dtype"] == "torch.bfloat16" and meta["world_size"] == nproc
@@ -71,4 +118,6 @@ def test_qlora_with_bf16_storage_and_compute_under_fsdp_and_nccl(tokenized):
 
     merged = AutoModelForCausalLM.from_pretrained(tokenized / "qlora/model")
     assert next(merged.parameters()).dtype == torch.float32
-    assert PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tokenized / "qbase/model"), tokenized / "qlora/adapter")
+    assert PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tokenized / "qbase/model"), tokenized / "qlora/adapter"
+    )

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_stage
 
 from stages import prepare_data
 from stages.common import config
-
-from conftest import run_stage
 
 
 def sha256(path: Path) -> str:
@@ -47,12 +46,21 @@ def test_outputs_match_sources_and_are_deterministic(prepared, mirror, tmp_path)
 def test_jsonl_corpus_keeps_documents(workdir):
     docs = [{"text": f"document {i}\nsecond line {i}"} for i in range(20)]
     (workdir / "docs.jsonl").write_text("\n".join(json.dumps(d) for d in docs) + "\n")
-    meta = prepare_data.main(["--output", "out", "corpus=docs.jsonl", "instructions=none", "graphs=[]",
-                              "val_fraction=0.1", "test_fraction=0.1"])
+    meta = prepare_data.main(
+        [
+            "--output",
+            "out",
+            "corpus=docs.jsonl",
+            "instructions=none",
+            "graphs=[]",
+            "val_fraction=0.1",
+            "test_fraction=0.1",
+        ]
+    )
     assert [meta["corpus"]["splits"][s]["documents"] for s in ("train", "val", "test")] == [16, 2, 2]
     text = (workdir / "out/corpus/val.txt").read_text()
     offsets = np.load(workdir / "out/corpus/val.docs.npy").tolist()
-    assert text[offsets[1]:].startswith("document 17\n") and text.count("document") == 2
+    assert text[offsets[1] :].startswith("document 17\n") and text.count("document") == 2
 
 
 def assert_nothing_written(folder: Path, name: str) -> None:
@@ -67,15 +75,21 @@ def make_mirror(tmp_path: Path, content: bytes) -> Path:
     return mirror
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing corpus", "'nowhere.txt' is neither a known corpus"),
-    ("checksum mismatch", "checksum mismatch for .*input.txt: sha256 [0-9a-f]{64}, expected 86c4e6aa"),
-    ("empty corpus", "corpus empty.txt is empty \\(0 bytes\\)"),
-    ("tiny corpus", "split of tiny.txt is empty; the corpus holds only 8 bytes: use a larger corpus"),
-    ("non-UTF-8 text", "bad.txt is not valid UTF-8: byte 6"),
-    ("missing mirror file", "wiki.train.raw: not in the mirror .* set PIPELINE_DATA_MIRROR to a directory holding "
-                            "wikitext-2-raw/wiki.train.raw \\(sha256 6707892f"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing corpus", "'nowhere.txt' is neither a known corpus"),
+        ("checksum mismatch", "checksum mismatch for .*input.txt: sha256 [0-9a-f]{64}, expected 86c4e6aa"),
+        ("empty corpus", "corpus empty.txt is empty \\(0 bytes\\)"),
+        ("tiny corpus", "split of tiny.txt is empty; the corpus holds only 8 bytes: use a larger corpus"),
+        ("non-UTF-8 text", "bad.txt is not valid UTF-8: byte 6"),
+        (
+            "missing mirror file",
+            "wiki.train.raw: not in the mirror .* set PIPELINE_DATA_MIRROR to a directory holding "
+            "wikitext-2-raw/wiki.train.raw \\(sha256 6707892f",
+        ),
+    ],
+)
 def test_bad_data_fails_clearly_before_writing(workdir, monkeypatch, case, message):
     (workdir / "empty.txt").write_bytes(b"")
     (workdir / "tiny.txt").write_bytes(b"to be.\nx")

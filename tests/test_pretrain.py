@@ -9,22 +9,42 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import loss_curve, run_stage
 
 from stages import pretrain
 from stages.common import config
 
-from conftest import loss_curve, run_stage
-
-TINY = ["n_layers=2", "hidden_size=64", "n_heads=4", "n_kv_heads=2", "intermediate_size=128",
-        "max_position_embeddings=64", "context_length=64", "steps=8", "batch_size=8", "micro_batch_size=2",
-        "warmup_steps=2", "eval_every=4", "eval_batches=1", "checkpoint_every=0", "log_every=2", "seed=1337"]
+TINY = [
+    "n_layers=2",
+    "hidden_size=64",
+    "n_heads=4",
+    "n_kv_heads=2",
+    "intermediate_size=128",
+    "max_position_embeddings=64",
+    "context_length=64",
+    "steps=8",
+    "batch_size=8",
+    "micro_batch_size=2",
+    "warmup_steps=2",
+    "eval_every=4",
+    "eval_batches=1",
+    "checkpoint_every=0",
+    "log_every=2",
+    "seed=1337",
+]
 # The first losses of TINY on the ci corpus, one process, fp32 CPU (update only for a deliberate change).
 RECORDED_LOSSES = [6.24940824508667, 6.242489337921143, 6.190092086791992, 6.123337268829346]
 
 
 def run(root, out, nproc, *extra, check=True, **env):
-    return run_stage("pretrain", ["--input", "data/tokenize", "--output", out, *TINY, *extra],
-                     cwd=root, nproc=nproc, check=check, **env)
+    return run_stage(
+        "pretrain",
+        ["--input", "data/tokenize", "--output", out, *TINY, *extra],
+        cwd=root,
+        nproc=nproc,
+        check=check,
+        **env,
+    )
 
 
 def logits(model_dir, ids):
@@ -46,7 +66,9 @@ def test_ddp_fsdp_and_one_process_train_the_same_model(tokenized, monkeypatch):
     for out in ("ddp", "fsdp"):
         np.testing.assert_allclose(loss_curve(tokenized, out), ref, rtol=1e-5)
     # The saved models load in transformers and compute what the trained model computes.
-    ids = torch.from_numpy(np.fromfile(tokenized / "data/tokenize/val_0000.bin", dtype=np.uint16)[:64].astype(np.int64))[None]
+    ids = torch.from_numpy(
+        np.fromfile(tokenized / "data/tokenize/val_0000.bin", dtype=np.uint16)[:64].astype(np.int64)
+    )[None]
     with torch.no_grad():
         trained = single["model"].eval()(input_ids=ids).logits
     torch.testing.assert_close(logits(tokenized / "one/model", ids), trained, rtol=0, atol=0)
@@ -75,8 +97,16 @@ def test_resume_after_kills_equals_an_uninterrupted_run(tokenized):
     run(tokenized, "whole", 2, "strategy=fsdp", "checkpoint_every=2", **env)
     assert not list(ckpt_root.glob("pretrain/*/step-*")), "a finished run removes its checkpoints"
     # SIGKILL in the middle of writing the step-6 checkpoint: step-2 and step-4 are complete.
-    proc = run(tokenized, "resumed", 2, "strategy=fsdp", "checkpoint_every=2", check=False,
-               PIPELINE_FAULT_IN_CHECKPOINT="6", **env)
+    proc = run(
+        tokenized,
+        "resumed",
+        2,
+        "strategy=fsdp",
+        "checkpoint_every=2",
+        check=False,
+        PIPELINE_FAULT_IN_CHECKPOINT="6",
+        **env,
+    )
     assert proc.returncode != 0
     kept = sorted(p.name for p in ckpt_root.glob("pretrain/*/*"))
     assert "step-4" in kept and "step-6" not in kept and all(n.startswith(("step-", ".step-")) for n in kept)
@@ -100,8 +130,18 @@ def test_sigterm_checkpoints_and_the_rerun_resumes(tokenized):
 
     ckpt_root = tokenized / "ckpts-term"
     env = stage_env(tokenized, PIPELINE_CHECKPOINTS=str(ckpt_root))
-    cmd = [sys.executable, "-m", "stages.pretrain", "--input", "data/tokenize", "--output", "term", *TINY,
-           "steps=400", "eval_every=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stages.pretrain",
+        "--input",
+        "data/tokenize",
+        "--output",
+        "term",
+        *TINY,
+        "steps=400",
+        "eval_every=0",
+    ]
     log = tokenized / "term.log"
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, cwd=tokenized, env=env, stdout=fh, stderr=subprocess.STDOUT)
@@ -118,7 +158,6 @@ def test_sigterm_checkpoints_and_the_rerun_resumes(tokenized):
     assert 0 < step < 400
 
 
-
 def test_ctrl_c_under_the_launcher_and_torchrun_saves_a_checkpoint(tokenized):
     """Ctrl-C signals the terminal's foreground process group (the launcher and torchrun; torchrun's
     workers run in a session of their own and hear it from torchrun): both ranks finish the step, save
@@ -132,11 +171,25 @@ def test_ctrl_c_under_the_launcher_and_torchrun_saves_a_checkpoint(tokenized):
 
     ckpt_root = tokenized / "ckpts-int"
     env = stage_env(tokenized, PIPELINE_CHECKPOINTS=str(ckpt_root), PIPELINE_NPROC_PER_NODE="2")
-    cmd = [sys.executable, "-m", "pipelines.launch", "pretrain", "--input", "data/tokenize", "--output", "int", *TINY,
-           "steps=400", "eval_every=0", "checkpoint_every=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipelines.launch",
+        "pretrain",
+        "--input",
+        "data/tokenize",
+        "--output",
+        "int",
+        *TINY,
+        "steps=400",
+        "eval_every=0",
+        "checkpoint_every=0",
+    ]
     log = tokenized / "int.log"
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=tokenized, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=tokenized, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.time() + 180
         while time.time() < deadline and "train:" not in log.read_text() and proc.poll() is None:
             time.sleep(0.2)
@@ -145,7 +198,9 @@ def test_ctrl_c_under_the_launcher_and_torchrun_saves_a_checkpoint(tokenized):
         proc.wait(timeout=120)
     text = log.read_text()
     assert proc.returncode != 0 and "KeyboardInterrupt" not in text, text[-4000:]
-    assert "SIGINT received: finishing the step, then saving" in text and "stopped by SIGINT after step" in text, text[-4000:]
+    assert "SIGINT received: finishing the step, then saving" in text and "stopped by SIGINT after step" in text, text[
+        -4000:
+    ]
     saved = list(ckpt_root.glob("pretrain/*/step-*"))
     assert len(saved) == 1 and not (tokenized / "int").exists()
     step = int(saved[0].name[5:])
@@ -153,7 +208,6 @@ def test_ctrl_c_under_the_launcher_and_torchrun_saves_a_checkpoint(tokenized):
     from stages.common import loop
 
     assert loop.checkpoint_problem(saved[0]) is None, "the checkpoint is complete and intact"
-
 
 
 def _stage_processes(folder, output: str) -> list[int]:
@@ -188,16 +242,30 @@ def test_a_second_run_refuses_and_training_dies_with_its_launcher(tokenized):
     args = ["--input", "data/tokenize", "--output", "killed", *TINY, "steps=5000", "eval_every=0", "checkpoint_every=0"]
     log = tokenized / "killed.log"
     with open(log, "w") as fh:
-        first = subprocess.Popen([sys.executable, "-m", "pipelines.launch", "pretrain", *args], cwd=tokenized, env=env,
-                                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        first = subprocess.Popen(
+            [sys.executable, "-m", "pipelines.launch", "pretrain", *args],
+            cwd=tokenized,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.time() + 180
         while time.time() < deadline and "train:" not in log.read_text() and first.poll() is None:
             time.sleep(0.2)
-        second = subprocess.run([sys.executable, "-m", "pipelines.launch", "pretrain", *args], cwd=tokenized, env=env,
-                                capture_output=True, text=True, timeout=300)
+        second = subprocess.run(
+            [sys.executable, "-m", "pipelines.launch", "pretrain", *args],
+            cwd=tokenized,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert first.poll() is None, "the first run is still training"
         assert second.returncode != 0
-        assert "is in use by another run" in second.stderr and str(ckpt_root / "pretrain") in second.stderr, second.stderr
+        assert "is in use by another run" in second.stderr and str(ckpt_root / "pretrain") in second.stderr, (
+            second.stderr
+        )
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(timeout=30)
         deadline = time.time() + 120  # a guard against orphans training on, not a speed check
@@ -211,13 +279,16 @@ def test_a_second_run_refuses_and_training_dies_with_its_launcher(tokenized):
     assert loop.checkpoint_problem(saved[0]) is None
 
 
-@pytest.mark.parametrize("override, message", [
-    (["strategy=zero"], "pretrain.strategy: unknown strategy 'zero'; valid: ddp, fsdp"),
-    (["context_length=128"], "context_length \\(128\\) exceeds max_position_embeddings \\(64\\)"),
-    (["compile_mode=fast"], "pretrain.compile_mode: unknown torch.compile mode 'fast'; valid: default, "),
-    (["precision=fp16"], "pretrain.precision: unknown precision 'fp16'; valid: auto, fp32, bf16"),
-    (["batch_size=7"], "batch_size \\(7\\) must be a multiple of micro_batch_size x processes \\(2 x 1\\)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["strategy=zero"], "pretrain.strategy: unknown strategy 'zero'; valid: ddp, fsdp"),
+        (["context_length=128"], "context_length \\(128\\) exceeds max_position_embeddings \\(64\\)"),
+        (["compile_mode=fast"], "pretrain.compile_mode: unknown torch.compile mode 'fast'; valid: default, "),
+        (["precision=fp16"], "pretrain.precision: unknown precision 'fp16'; valid: auto, fp32, bf16"),
+        (["batch_size=7"], "batch_size \\(7\\) must be a multiple of micro_batch_size x processes \\(2 x 1\\)"),
+    ],
+)
 def test_bad_params_fail_before_training(tokenized, monkeypatch, override, message):
     monkeypatch.chdir(tokenized)
     with pytest.raises(config.UserError, match=message):
@@ -343,7 +414,10 @@ def test_truncated_token_shard_fails_before_training(tokenized, tmp_path, monkey
     for size in (shard.stat().st_size - 1000, shard.stat().st_size - 1001):  # whole ids cut, then half an id
         with open(shard, "r+b") as fh:
             fh.truncate(size)
-        with pytest.raises(config.UserError, match=f"pretrain: token shard .*train_0000.bin holds {size:,} bytes, but "
-                                                   ".*meta.json counts .* the shard is truncated or corrupted; re-run tokenize"):
+        with pytest.raises(
+            config.UserError,
+            match=f"pretrain: token shard .*train_0000.bin holds {size:,} bytes, but "
+            ".*meta.json counts .* the shard is truncated or corrupted; re-run tokenize",
+        ):
             pretrain.main(["--input", str(broken), "--output", "bad", *TINY])
     assert not (tokenized / "bad").exists()

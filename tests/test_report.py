@@ -31,12 +31,29 @@ def tree(tmp_path, monkeypatch):
     (tmp_path / "params.yaml").write_text('report:\n  strict: false\n  recorded: ""\n  regression_tolerance: 0.02\n')
     prep = stage_folder(tmp_path, "prepare_data", metrics={"train_bytes": 10})
     (prep / "meta.json").write_text(json.dumps({"files": {"planetoid/Cora/raw/ind.cora.x": "ab" * 32}}))
-    stage_folder(tmp_path, "train_gnn", metrics={"gcn": {"test_acc": 0.81}}, plot=True, rows=[
-        {"result": "GCN Cora test accuracy", "paper": "Kipf & Welling 2017", "published": 81.5, "ours": 81.0,
-         "tolerance": 1.0, "data": ["planetoid/Cora/raw/ind.cora.x"]},
-        {"result": "GAT Cora test accuracy", "paper": "Velickovic et al. 2018", "published": 83.0, "ours": 80.0,
-         "tolerance": 1.0},
-    ])
+    stage_folder(
+        tmp_path,
+        "train_gnn",
+        metrics={"gcn": {"test_acc": 0.81}},
+        plot=True,
+        rows=[
+            {
+                "result": "GCN Cora test accuracy",
+                "paper": "Kipf & Welling 2017",
+                "published": 81.5,
+                "ours": 81.0,
+                "tolerance": 1.0,
+                "data": ["planetoid/Cora/raw/ind.cora.x"],
+            },
+            {
+                "result": "GAT Cora test accuracy",
+                "paper": "Velickovic et al. 2018",
+                "published": 83.0,
+                "ours": 80.0,
+                "tolerance": 1.0,
+            },
+        ],
+    )
     return tmp_path
 
 
@@ -56,17 +73,22 @@ def test_rows_share_one_schema_and_pass_is_computed(tree):
 
 
 def test_bound_rows_pass_on_their_side_of_the_bound(tree):
-    stage_folder(tree, "context_study", rows=[
-        {"result": "growth", "paper": "p", "relation": ">=", "published": 1.2, "ours": 1.5, "tolerance": 0.0},
-        {"result": "recovery", "paper": "p", "relation": "<=", "published": 1.0, "ours": 1.04, "tolerance": 0.05},
-        {"result": "worse", "paper": "p", "relation": "<=", "published": 1.0, "ours": 1.2, "tolerance": 0.05},
-        {"result": "short", "paper": "p", "relation": ">=", "published": 1.2, "ours": 1.1, "tolerance": 0.0},
-    ])
+    stage_folder(
+        tree,
+        "context_study",
+        rows=[
+            {"result": "growth", "paper": "p", "relation": ">=", "published": 1.2, "ours": 1.5, "tolerance": 0.0},
+            {"result": "recovery", "paper": "p", "relation": "<=", "published": 1.0, "ours": 1.04, "tolerance": 0.05},
+            {"result": "worse", "paper": "p", "relation": "<=", "published": 1.0, "ours": 1.2, "tolerance": 0.05},
+            {"result": "short", "paper": "p", "relation": ">=", "published": 1.2, "ours": 1.1, "tolerance": 0.0},
+        ],
+    )
     doc = report.main(["--output", "reports", "--inputs", "data/context_study"])
     assert [r["pass"] for r in doc["rows"]] == [True, True, False, False]
     assert "| growth | p | >= | 1.2 | 1.5 | 0 | pass |" in (tree / "reports/results.md").read_text()
-    stage_folder(tree, "odd", rows=[{"result": "x", "paper": "p", "relation": "~", "published": 1, "ours": 1,
-                                     "tolerance": 0}])
+    stage_folder(
+        tree, "odd", rows=[{"result": "x", "paper": "p", "relation": "~", "published": 1, "ours": 1, "tolerance": 0}]
+    )
     with pytest.raises(config.UserError, match="relation '~'; use one of =, >=, <="):
         report.main(["--output", "reports", "--inputs", "data/odd"])
 
@@ -97,8 +119,16 @@ def test_items_of_one_stage_are_compared_side_by_side(tree):
     stage_folder(tree, "finetune_qlora/nf4", metrics={"eval_loss": 2.01, "peak_memory_mb": 700, "bits": 4.1})
     stage_folder(tree, "finetune_qlora/none", metrics={"eval_loss": 2.0, "peak_memory_mb": 900})
     stage_folder(tree, "eval_perplexity/pretrain", metrics={"nll": 3.0})
-    doc = report.main(["--output", "reports", "--inputs", "data/finetune_qlora/nf4", "data/finetune_qlora/none",
-                       "data/eval_perplexity/pretrain"])
+    doc = report.main(
+        [
+            "--output",
+            "reports",
+            "--inputs",
+            "data/finetune_qlora/nf4",
+            "data/finetune_qlora/none",
+            "data/eval_perplexity/pretrain",
+        ]
+    )
     assert list(doc["comparisons"]) == ["finetune_qlora"], "one item alone is no comparison"
     md = (tree / "reports/results.md").read_text()
     assert "## Comparison: finetune_qlora\n\n| metric | nf4 | none |\n|---|---|---|\n" in md
@@ -107,31 +137,50 @@ def test_items_of_one_stage_are_compared_side_by_side(tree):
 
 
 def eval_metrics(root, label, ppl):
-    stage_folder(root, f"eval_perplexity/{label}", metrics={"models": {
-        model: {f"ctx{ctx}": {"context": ctx, "perplexity": v} for ctx, v in by_ctx.items()}
-        for model, by_ctx in ppl.items()}})
+    stage_folder(
+        root,
+        f"eval_perplexity/{label}",
+        metrics={
+            "models": {
+                model: {f"ctx{ctx}": {"context": ctx, "perplexity": v} for ctx, v in by_ctx.items()}
+                for model, by_ctx in ppl.items()
+            }
+        },
+    )
 
 
 def test_perplexities_regress_against_the_record_of_the_same_params(tree, monkeypatch):
     from pipelines import record
 
-    (tree / "params.yaml").write_text("report:\n  strict: false\n  recorded: recorded.yaml\n  regression_tolerance: 0.02\n"
-                                      "pretrain:\n  steps: 10\n")
+    (tree / "params.yaml").write_text(
+        "report:\n  strict: false\n  recorded: recorded.yaml\n  regression_tolerance: 0.02\npretrain:\n  steps: 10\n"
+    )
     eval_metrics(tree, "pretrain", {"pretrain": {64: 100.0, 128: 120.0}})
     monkeypatch.setattr(record.track, "git_commit", lambda: "c0ffee" * 7)
     entry = record.record(tree / "params.yaml", tree / "data", tree / "recorded.yaml", preset="test")
     assert entry["perplexity"] == {"eval_perplexity/pretrain": {"pretrain": {64: 100.0, 128: 120.0}}}
     # A later run: one perplexity moved 1% (passes), one 5% (fails), one recorded context is missing.
     stage_folder(tree, "eval_perplexity/pretrain2")  # a folder without perplexities changes nothing
-    (tree / "data/eval_perplexity/pretrain/metrics.json").write_text(json.dumps({"models": {"pretrain": {
-        "ctx64": {"context": 64, "perplexity": 101.0}, "ctx256": {"context": 256, "perplexity": 150.0}}}}))
+    (tree / "data/eval_perplexity/pretrain/metrics.json").write_text(
+        json.dumps(
+            {
+                "models": {
+                    "pretrain": {
+                        "ctx64": {"context": 64, "perplexity": 101.0},
+                        "ctx256": {"context": 256, "perplexity": 150.0},
+                    }
+                }
+            }
+        )
+    )
     inputs = ["data/eval_perplexity/pretrain", "data/eval_perplexity/pretrain2"]
     doc = report.main(["--output", "reports", "--inputs", *inputs])
     rows = doc["regression"]["rows"]
     assert [tuple(r) for r in rows] == [report.ROW_FIELDS] * 2
     assert [(r["result"], r["published"], r["ours"], r["pass"]) for r in rows] == [
         ("token perplexity, pretrain at 64 tokens", 100.0, 101.0, True),
-        ("token perplexity, pretrain at 128 tokens", 120.0, None, False)]
+        ("token perplexity, pretrain at 128 tokens", 120.0, None, False),
+    ]
     assert rows[0]["tolerance"] == 2.0 and rows[0]["stage"] == "eval_perplexity/pretrain"
     md = (tree / "reports/results.md").read_text()
     assert "## Regression against a recorded run" in md and "| token perplexity, pretrain at 128 tokens |" in md
@@ -142,8 +191,11 @@ def test_perplexities_regress_against_the_record_of_the_same_params(tree, monkey
     md = (tree / "reports/results.md").read_text()
     assert "python -m pipelines.record" in md
     # ... and names the nearest record and the one setting that differs from it.
-    assert doc["regression"]["nearest"] == {"params": entry["params"], "preset": "test",
-                                            "differences": ["pretrain.steps: 11 (recorded: 10)"]}
+    assert doc["regression"]["nearest"] == {
+        "params": entry["params"],
+        "preset": "test",
+        "differences": ["pretrain.steps: 11 (recorded: 10)"],
+    }
     assert "differs in 1 setting(s)" in md and "- `pretrain.steps: 11 (recorded: 10)`" in md
     # Under the recorded params again, strict: the failed regression row fails the stage.
     (tree / "params.yaml").write_text((tree / "params.yaml").read_text().replace("steps: 11", "steps: 10"))

@@ -9,10 +9,9 @@ import sys
 import textwrap
 
 import pytest
+from conftest import ROOT
 
 from stages.common import ckpt, dist
-
-from conftest import ROOT
 
 
 def test_checkpoint_dir_depends_on_params_and_inputs(tmp_path):
@@ -83,8 +82,19 @@ def test_runtime_under_torchrun_with_two_processes(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), str(tmp_path / "out")],
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(script),
+            str(tmp_path / "out"),
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("ok") == 1, "print0 prints once"
@@ -126,15 +136,22 @@ def test_manifest_tells_intact_checkpoints_from_damaged_ones(tmp_path, capsys):
 
 def test_an_unreachable_tracking_server_is_one_clear_error(tmp_path):
     """MLflow's client retries an unreachable server for minutes; a stage asks once and stops with the URI."""
-    code = ("from stages.common import config, dist, track\n"
-            "rt = dist.Runtime(0, 1, 0, 1, None)\n"
-            "try:\n"
-            "    with track.start_run('probe', {}, '', rt): print('tracked')\n"
-            "except config.UserError as e: print('error:', e)\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": "http://127.0.0.1:9",
-           "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)  # a guard against the hang itself, not a speed check
+    code = (
+        "from stages.common import config, dist, track\n"
+        "rt = dist.Runtime(0, 1, 0, 1, None)\n"
+        "try:\n"
+        "    with track.start_run('probe', {}, '', rt): print('tracked')\n"
+        "except config.UserError as e: print('error:', e)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "MLFLOW_TRACKING_URI": "http://127.0.0.1:9",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )  # a guard against the hang itself, not a speed check
     assert "error: MLflow tracking server http://127.0.0.1:9 is unreachable" in proc.stdout, proc.stdout + proc.stderr
     assert "unset it to track to ./mlflow.db" in proc.stdout
 
@@ -145,9 +162,11 @@ def test_a_run_left_running_by_sigkill_is_marked_killed_on_the_next_start(tmp_pa
     from stages.common import track
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    code = ("import os, signal\nfrom stages.common import dist, track\n"
-            "with track.start_run('probe', {}, '', dist.Runtime(0, 1, 0, 1, None)):\n"
-            "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    code = (
+        "import os, signal\nfrom stages.common import dist, track\n"
+        "with track.start_run('probe', {}, '', dist.Runtime(0, 1, 0, 1, None)):\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": uri}
     env.pop("PIPELINE_RUN_ID", None)
     assert subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env).returncode == -signal.SIGKILL

@@ -8,10 +8,9 @@ import shutil
 
 import numpy as np
 import pytest
-
-from stages.common import config, shards
-
 from conftest import run_stage
+
+from stages.common import shards
 
 ARGS = ["--input", "data/prepare_data", "--output"]
 
@@ -79,8 +78,12 @@ def test_mlflow_has_one_run_per_stage_from_rank_zero(by_world_size):
 
 def test_bad_input_fails_before_writing(prepared, tmp_path):
     shutil.copy(prepared / "params.yaml", tmp_path / "params.yaml")
-    proc = run_stage("tokenize", ["--input", str(prepared / "data/prepare_data"), "--output", "out", "vocab_size=200"],
-                     cwd=tmp_path, check=False)
+    proc = run_stage(
+        "tokenize",
+        ["--input", str(prepared / "data/prepare_data"), "--output", "out", "vocab_size=200"],
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 2 and "tokenize.vocab_size must be at least 258" in proc.stderr
     proc = run_stage("tokenize", ["--input", "nowhere", "--output", "out"], cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "nowhere/corpus/train.txt not found; run prepare_data first" in proc.stderr

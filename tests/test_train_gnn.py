@@ -11,12 +11,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import MIRROR, ROOT, run_stage, stage_env
 
 from stages import train_gnn
-from stages.models import gnn
 from stages.common import config
-
-from conftest import MIRROR, ROOT, run_stage, stage_env
+from stages.models import gnn
 
 ARGS = ["--input", "data/prepare_data", "--output", "data/train_gnn"]
 TINY = ["seeds=3", "gcn_epochs=12", "gat_epochs=6"]  # 3 seeds: ranks get unequal shares
@@ -46,7 +45,7 @@ def seeds_of(root):
 def test_per_seed_results_do_not_depend_on_world_size(trained):
     one, two = seeds_of(trained[1]), seeds_of(trained[2])
     assert [(r["model"], r["seed"]) for r in one] == [(m, s) for m in ("gcn", "gat") for s in range(3)]
-    for a, b in zip(one, two):
+    for a, b in zip(one, two, strict=True):
         assert {k: v for k, v in a.items() if k != "train_s"} == {k: v for k, v in b.items() if k != "train_s"}
     m1, m2 = (json.loads((trained[n] / "data/train_gnn/metrics.json").read_text()) for n in (1, 2))
     assert m1["gcn"]["test_acc_mean"] == m2["gcn"]["test_acc_mean"] and m2["world_size"] == 2
@@ -92,7 +91,7 @@ def test_metrics_report_rows_plot_and_mlflow_curves(trained, prepared):
     rows = json.loads((out / "results.json").read_text())
     files = json.loads((prepared / "data/prepare_data/meta.json").read_text())["files"]
     assert [(r["published"], r["tolerance"]) for r in rows] == [(81.5, 1.0), (83.0, 1.0)]
-    assert all(r["ours"] == round(metrics[m]["test_acc_mean"], 2) for r, m in zip(rows, ("gcn", "gat")))
+    assert all(r["ours"] == round(metrics[m]["test_acc_mean"], 2) for r, m in zip(rows, ("gcn", "gat"), strict=True))
     assert all(set(r["data"]) <= set(files) and len(r["data"]) == 8 for r in rows)
     assert (out / "plots/accuracy.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -101,7 +100,10 @@ def test_metrics_report_rows_plot_and_mlflow_curves(trained, prepared):
     assert [r.data.tags["stage"] for r in runs] == ["train_gnn"], "one run, logged by rank 0 only"
     run = runs[0]
     assert run.info.status == "FINISHED" and run.data.tags["world_size"] == "2"
-    assert run.data.params["dataset"] == "Cora" and run.data.metrics["gcn_test_acc_mean"] == metrics["gcn"]["test_acc_mean"]
+    assert (
+        run.data.params["dataset"] == "Cora"
+        and run.data.metrics["gcn_test_acc_mean"] == metrics["gcn"]["test_acc_mean"]
+    )
     history = client.get_metric_history(run.info.run_id, "gcn_val_acc")
     assert [m.step for m in history] == list(range(12))
     assert {"models", "plots", "metrics.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
@@ -109,11 +111,27 @@ def test_metrics_report_rows_plot_and_mlflow_curves(trained, prepared):
 
 def test_ddp_step_synchronizes_gradients_across_ranks(tmp_path, mirror):
     out = tmp_path / "probe.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(ROOT / "tests/gnn_ddp_probe.py"), str(MIRROR), str(out)],
-                          cwd=tmp_path, env=stage_env(tmp_path), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(ROOT / "tests/gnn_ddp_probe.py"),
+            str(MIRROR),
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=stage_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [{k: torch.tensor(v) if isinstance(v, list) else v for k, v in r.items()} for r in json.loads(out.read_text())]
+    ranks = [
+        {k: torch.tensor(v) if isinstance(v, list) else v for k, v in r.items()} for r in json.loads(out.read_text())
+    ]
     assert all(r["train_nodes"] > 0 for r in ranks)
     assert torch.equal(ranks[0]["ddp"], ranks[1]["ddp"]), "parameters equal across ranks after a DDP step"
     assert (ranks[0]["alone"] - ranks[1]["alone"]).abs().max() > 1e-3, "the ranks' batches differ"
@@ -149,13 +167,16 @@ def test_sparse_input_matches_dense_in_both_passes():
     assert gnn.dropout(sparse, 0.5, training=False) is sparse
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["dataset=Karate"], "train_gnn.dataset: unknown dataset 'Karate'; valid: Cora, CiteSeer, PubMed"),
-    (["models=[gcn,sage]"], "train_gnn.models: unknown model 'sage'; valid: gcn, gat"),
-    (["gcn_hidden=0"], "train_gnn.gcn_hidden must be >= 1, got 0"),
-    (["gat_hidden=60"], "train_gnn.gat_hidden (60) must be divisible by gat_heads (8)"),
-    (["loader=cluster"], "train_gnn.loader: unknown loader 'cluster'; valid: auto, neighbor, random_node"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["dataset=Karate"], "train_gnn.dataset: unknown dataset 'Karate'; valid: Cora, CiteSeer, PubMed"),
+        (["models=[gcn,sage]"], "train_gnn.models: unknown model 'sage'; valid: gcn, gat"),
+        (["gcn_hidden=0"], "train_gnn.gcn_hidden must be >= 1, got 0"),
+        (["gat_hidden=60"], "train_gnn.gat_hidden (60) must be divisible by gat_heads (8)"),
+        (["loader=cluster"], "train_gnn.loader: unknown loader 'cluster'; valid: auto, neighbor, random_node"),
+    ],
+)
 def test_bad_params_fail_naming_the_key(workdir, overrides, message):
     with pytest.raises(config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         train_gnn.main(["--input", "nowhere", *overrides])

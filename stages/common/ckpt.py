@@ -146,8 +146,11 @@ def write_manifest(folder: str | Path) -> None:
     last, once every rank's files are complete, so a later run can tell an intact checkpoint from a
     damaged one."""
     folder = Path(folder)
-    files = {str(f.relative_to(folder)): file_digest(f)
-             for f in sorted(folder.rglob("*")) if f.is_file() and f.name != MANIFEST}
+    files = {
+        str(f.relative_to(folder)): file_digest(f)
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and f.name != MANIFEST
+    }
     write_json(folder / MANIFEST, files)
 
 
@@ -160,8 +163,11 @@ def manifest_problem(folder: str | Path) -> str | None:
         files = json.loads((folder / MANIFEST).read_text())
     except FileNotFoundError:
         if (folder / "state" / ".metadata").is_file():
-            print(f"warning: checkpoint {folder} has no {MANIFEST} (an older version wrote it); its files are "
-                  f"not verified", flush=True)
+            print(
+                f"warning: checkpoint {folder} has no {MANIFEST} (an older version wrote it); its files are "
+                f"not verified",
+                flush=True,
+            )
             return None
         return f"it has no {MANIFEST}"
     except (OSError, ValueError):
@@ -214,12 +220,16 @@ def exclusive(folder: str | Path, rt: dist.Runtime):
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "unknown"
-            problem = (f"checkpoint folder {folder} is in use by another run (pid, host: {holder}); wait for it to "
-                       f"finish or stop it, then re-run (it resumes from the checkpoints)")
+            problem = (
+                f"checkpoint folder {folder} is in use by another run (pid, host: {holder}); wait for it to "
+                f"finish or stop it, then re-run (it resumes from the checkpoints)"
+            )
             handle.close()
         except OSError as e:  # e.g. a network filesystem without locks
-            problem = (f"cannot lock checkpoint folder {folder} ({e}); put PIPELINE_CHECKPOINTS on a filesystem "
-                       f"with flock support (a local disk, NFS with lockd)")
+            problem = (
+                f"cannot lock checkpoint folder {folder} ({e}); put PIPELINE_CHECKPOINTS on a filesystem "
+                f"with flock support (a local disk, NFS with lockd)"
+            )
             if handle is not None:
                 handle.close()
     problem = dist.broadcast_object(problem)  # every rank stops together

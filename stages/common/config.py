@@ -132,9 +132,7 @@ def build(cls: type, section: str, values: Any, source: str = "params.yaml"):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(
-            f"{source}: unknown key {section}.{unknown[0]}; valid keys are: {', '.join(sorted(fields))}"
-        )
+        raise ConfigError(f"{source}: unknown key {section}.{unknown[0]}; valid keys are: {', '.join(sorted(fields))}")
     kwargs = {}
     for name, field in fields.items():
         if name not in values:
@@ -144,9 +142,7 @@ def build(cls: type, section: str, values: Any, source: str = "params.yaml"):
             raise ConfigError(f"{source}: missing key {section}.{name}; add it to the '{section}' section")
         ok, conv = _coerce(values[name], hints[name])
         if not ok:
-            raise ConfigError(
-                f"{source}: {section}.{name} must be {_type_name(hints[name])}, got {values[name]!r}"
-            )
+            raise ConfigError(f"{source}: {section}.{name} must be {_type_name(hints[name])}, got {values[name]!r}")
         kwargs[name] = conv
     try:
         return cls(**kwargs)
@@ -196,13 +192,19 @@ def parse_cli(doc: str, paths: dict, argv=None):
     Returns (args, overrides)."""
     import argparse
 
-    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0],
-                                     epilog="Trailing key=value pairs override the stage's params section.")
+    parser = argparse.ArgumentParser(
+        description=doc.strip().splitlines()[0], epilog="Trailing key=value pairs override the stage's params section."
+    )
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     for name, default in paths.items():
         many = isinstance(default, list)
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=default,
-                            nargs="+" if many else None, help=f"default: {default}")
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            default=default,
+            nargs="+" if many else None,
+            help=f"default: {default}",
+        )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     # Intermixed: overrides may come before, between or after the options.
     args = parser.parse_intermixed_args(argv)

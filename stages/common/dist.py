@@ -93,8 +93,18 @@ def seed_everything(seed: int) -> None:
 
 PRECISIONS = ("auto", "fp32", "bf16")
 # CPU flags that change which kernels torch, oneDNN and bitsandbytes pick (and so the last bits of results).
-KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
-                "amx_bf16", "amx_int8")
+KERNEL_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
 
 
 def check_precision(precision: str) -> None:
@@ -142,15 +152,21 @@ def cpu_info() -> dict:
     """The CPU a run's kernels were chosen for: torch's vector capability (DEFAULT, AVX2, AVX512, ...),
     the model name and the flags in KERNEL_FLAGS it has. Recorded with results that depend on kernels."""
     model, flags = _cpuinfo()
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_model": model,
-            "cpu_flags": [f for f in KERNEL_FLAGS if f in flags]}
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_model": model,
+        "cpu_flags": [f for f in KERNEL_FLAGS if f in flags],
+    }
 
 
 def warn_if_emulated_bf16(device: torch.device, dtype: torch.dtype, rt: Runtime | None = None) -> None:
     """bf16 on a CPU without bf16 instructions is emulated: correct, but ~20x slower than fp32."""
     if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16():
-        print0("warning: precision bf16 on a CPU without AVX512-BF16 or AMX: bf16 is emulated there, about 20x "
-               "slower than fp32; set precision: auto (fp32 on CPUs)", rt=rt)
+        print0(
+            "warning: precision bf16 on a CPU without AVX512-BF16 or AMX: bf16 is emulated there, about 20x "
+            "slower than fp32; set precision: auto (fp32 on CPUs)",
+            rt=rt,
+        )
 
 
 def barrier() -> None:
@@ -216,8 +232,11 @@ def handle_sigterm() -> StopFlag:
     def _on_signal(signum, frame):
         flag.requested = True
         flag.signal = signal.Signals(signum).name
-        print(f"[rank {os.environ.get('RANK', 0)}] {flag.signal} received: finishing the step, then saving",
-              file=sys.stderr, flush=True)
+        print(
+            f"[rank {os.environ.get('RANK', 0)}] {flag.signal} received: finishing the step, then saving",
+            file=sys.stderr,
+            flush=True,
+        )
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)

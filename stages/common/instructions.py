@@ -18,11 +18,15 @@ from stages.common import config
 from stages.common.loop import IGNORE_INDEX
 
 TEMPLATES = {  # the Stanford Alpaca prompts
-    "alpaca": ("Below is an instruction that describes a task. Write a response that appropriately completes "
-               "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"),
-    "alpaca_input": ("Below is an instruction that describes a task, paired with an input that provides further "
-                     "context. Write a response that appropriately completes the request.\n\n### Instruction:\n"
-                     "{instruction}\n\n### Input:\n{input}\n\n### Response:\n"),
+    "alpaca": (
+        "Below is an instruction that describes a task. Write a response that appropriately completes "
+        "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+    ),
+    "alpaca_input": (
+        "Below is an instruction that describes a task, paired with an input that provides further "
+        "context. Write a response that appropriately completes the request.\n\n### Instruction:\n"
+        "{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+    ),
     "short": "### Instruction:\n{instruction}\n\n### Response:\n",
     "short_input": "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
 }
@@ -42,9 +46,13 @@ def read_records(path: Path) -> list[dict]:
             rec = rec if isinstance(rec, dict) else {}
             missing = [k for k in ("instruction", "output") if not isinstance(rec.get(k), str)]  # "" is an answer too
             if missing:
-                raise config.UserError(f"{path}:{n}: record lacks {' and '.join(missing)}; every record needs string "
-                                       f"fields instruction and output (input optional), as prepare_data writes them")
-            records.append({"instruction": rec["instruction"], "input": rec.get("input") or "", "output": rec["output"]})
+                raise config.UserError(
+                    f"{path}:{n}: record lacks {' and '.join(missing)}; every record needs string "
+                    f"fields instruction and output (input optional), as prepare_data writes them"
+                )
+            records.append(
+                {"instruction": rec["instruction"], "input": rec.get("input") or "", "output": rec["output"]}
+            )
     if len(records) < 2:
         raise config.UserError(f"{path}: {len(records)} record(s); need at least 2 for a train/eval split")
     return records
@@ -62,18 +70,23 @@ def encode(records: list[dict], tok, template: str, seq_length: int) -> tuple[np
     prompts = tok([prompt_of(r, template) for r in records], add_special_tokens=False)["input_ids"]
     responses = tok([r["output"] for r in records], add_special_tokens=False)["input_ids"]
     inputs, targets = [], []
-    for p, r in zip(prompts, responses):
+    for p, r in zip(prompts, responses, strict=True):
         ids = ([bos] + p + r + [tok.eos_token_id])[: seq_length + 1]
         if len(p) + 1 >= len(ids):  # no response token fits
             continue
         x = np.full(seq_length, pad, np.int64)
         y = np.full(seq_length, IGNORE_INDEX, np.int64)
         x[: len(ids) - 1] = ids[:-1]
-        y[len(p) : len(ids) - 1] = ids[len(p) + 1 :]  # target i predicts ids[i + 1]; the first response token at i = len(p)
+        y[len(p) : len(ids) - 1] = ids[
+            len(p) + 1 :
+        ]  # target i predicts ids[i + 1]; the first response token at i = len(p)
         inputs.append(x)
         targets.append(y)
-    return np.stack(inputs) if inputs else np.zeros((0, seq_length), np.int64), \
-        np.stack(targets) if targets else np.zeros((0, seq_length), np.int64), len(records) - len(inputs)
+    return (
+        np.stack(inputs) if inputs else np.zeros((0, seq_length), np.int64),
+        np.stack(targets) if targets else np.zeros((0, seq_length), np.int64),
+        len(records) - len(inputs),
+    )
 
 
 def split(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

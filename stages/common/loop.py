@@ -32,7 +32,10 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
 )
 
 from stages.common import ckpt, dist
@@ -215,7 +218,7 @@ def checkpoint_problem(path: Path) -> str | None:
     if problem is None:
         try:
             torch.load(path / "extra.pt", weights_only=True)
-        except Exception as e:  # noqa: BLE001  whatever the unpickler refuses
+        except Exception as e:  # whatever the unpickler refuses
             problem = f"extra.pt does not load as plain data ({type(e).__name__})"
     return problem
 
@@ -232,8 +235,9 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
 
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of (B, T, V) logits, in fp32, against (B, T) targets other than IGNORE_INDEX."""
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
-                                             reduction=reduction)
+    return torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction
+    )
 
 
 @functools.cache
@@ -243,8 +247,9 @@ def compiled_cross_entropy(mode: str):
     return torch.compile(cross_entropy, mode=mode)
 
 
-def lm_loss(model, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean",
-            compile_mode: str | None = None) -> torch.Tensor:
+def lm_loss(
+    model, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean", compile_mode: str | None = None
+) -> torch.Tensor:
     """Next-token cross-entropy over targets other than IGNORE_INDEX, their mean or sum; y is x shifted
     by one, (B, T) each. Logits in fp32. With a compile_mode, the loss runs compiled in that mode."""
     logits = model(input_ids=x, use_cache=False).logits  # (B, T, V); no KV cache while training
@@ -272,19 +277,24 @@ def evaluate(model, windows, cfg: LoopConfig, rt: dist.Runtime) -> float:
         for m in range(grad_accum_steps(cfg, rt.world_size)):
             index = (m * rt.world_size + rt.rank) * cfg.micro_batch_size
             x, y = windows.batch(-1 - b, index, cfg.micro_batch_size)
-            with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=cfg.compute_dtype(rt.device) == torch.bfloat16):
-                loss = lm_loss(model, x.to(rt.device), y.to(rt.device), reduction="sum",
-                               compile_mode=cfg.loss_compile_mode)
-            total += torch.tensor([loss.item(), float((y != IGNORE_INDEX).sum())], dtype=torch.float64,
-                                  device=rt.device)
+            with torch.autocast(
+                rt.device.type, dtype=torch.bfloat16, enabled=cfg.compute_dtype(rt.device) == torch.bfloat16
+            ):
+                loss = lm_loss(
+                    model, x.to(rt.device), y.to(rt.device), reduction="sum", compile_mode=cfg.loss_compile_mode
+                )
+            total += torch.tensor(
+                [loss.item(), float((y != IGNORE_INDEX).sum())], dtype=torch.float64, device=rt.device
+            )
     model.train()
     if rt.distributed:
         torch.distributed.all_reduce(total)
     return (total[0] / total[1]).item()
 
 
-def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
-          ckpt_folder: Path, tracker, stop: dist.StopFlag) -> dict:
+def train(
+    model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime, ckpt_folder: Path, tracker, stop: dist.StopFlag
+) -> dict:
     """Train `model` (a transformers causal LM, or a PEFT model around one) for cfg.steps optimizer
     steps, resuming from the newest checkpoint in `ckpt_folder`. The data are token streams (np.ndarray,
     cut into Windows) or batch sources with `batch(step, index, size) -> (inputs, targets)`. Returns
@@ -300,7 +310,9 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
     history = {"step": [], "loss": [], "lr": [], "val_step": [], "val_loss": []}
     start = 0
     # Rank 0 picks the newest intact checkpoint (a damaged one is skipped with a warning); all ranks load it.
-    latest = dist.broadcast_object(ckpt.newest_intact_checkpoint(ckpt_folder, checkpoint_problem) if rt.is_main else None)
+    latest = dist.broadcast_object(
+        ckpt.newest_intact_checkpoint(ckpt_folder, checkpoint_problem) if rt.is_main else None
+    )
     if latest is not None:
         extra = load_checkpoint(latest, model, optimizer)
         start, history = extra["step"], extra["history"]
@@ -318,8 +330,10 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=rt.device)
-        micro = [train_w.batch(step, (m * rt.world_size + rt.rank) * cfg.micro_batch_size, cfg.micro_batch_size)
-                 for m in range(accum)]
+        micro = [
+            train_w.batch(step, (m * rt.world_size + rt.rank) * cfg.micro_batch_size, cfg.micro_batch_size)
+            for m in range(accum)
+        ]
         # Each micro-batch's summed loss over the step's target count: the gradients, averaged over
         # ranks by DDP/FSDP, are those of the mean loss per target token of the whole global batch.
         scale = rt.world_size / global_target_count([y for _, y in micro], rt)
@@ -328,8 +342,10 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
             last = m == accum - 1
             # DDP: all-reduce gradients only on the last micro-batch of the step.
             no_sync = rt.distributed and not last and cfg.strategy == "ddp"
-            with (model.no_sync() if no_sync else contextlib.nullcontext()), amp:
-                loss = lm_loss(model, x, y, reduction="sum", compile_mode=cfg.loss_compile_mode) * scale.to(torch.float32)
+            with model.no_sync() if no_sync else contextlib.nullcontext(), amp:
+                loss = lm_loss(model, x, y, reduction="sum", compile_mode=cfg.loss_compile_mode) * scale.to(
+                    torch.float32
+                )
                 loss.backward()
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -346,8 +362,13 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
         bar.update(1)
         done = step + 1
         tps = tokens_per_step / max(step_times[-1], 1e-9)
-        metrics = {"loss": loss_value, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps,
-                   "mfu": fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12)}
+        metrics = {
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": tps,
+            "mfu": fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12),
+        }
         if done % cfg.log_every == 0 or done == cfg.steps:
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tps:,.0f}")
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
@@ -359,16 +380,25 @@ def train(model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime,
         if stopped or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps):
             save_checkpoint(ckpt_folder, done, model, optimizer, history, rt)
         if stopped:
-            dist.print0(f"stopped by {stop.signal or 'a signal to another rank'} after step {done}; checkpoint "
-                        f"saved, re-run to resume", rt=rt)
+            dist.print0(
+                f"stopped by {stop.signal or 'a signal to another rank'} after step {done}; checkpoint "
+                f"saved, re-run to resume",
+                rt=rt,
+            )
             break
     bar.close()
     # Throughput over this run's steps, the first (warm-up, allocation) left out when there are others.
     timed = step_times[1:] or step_times
     tps = tokens_per_step * len(timed) / max(sum(timed), 1e-9) if timed else 0.0
-    return {"history": history, "model": model, "stopped": stopped, "flops_per_token": fpt,
-            "compute_dtype": str(dtype),
-            "tokens_per_s": tps, "mfu": fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12)}
+    return {
+        "history": history,
+        "model": model,
+        "stopped": stopped,
+        "flops_per_token": fpt,
+        "compute_dtype": str(dtype),
+        "tokens_per_s": tps,
+        "mfu": fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12),
+    }
 
 
 def full_state_dict(model, rt: dist.Runtime, trainable_only: bool = False) -> dict:
@@ -389,7 +419,7 @@ def write_curves(folder: Path, history: dict, val_column: str = "val_loss") -> N
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "loss.csv", "w") as fh:
         fh.write("step,train_loss\n")
-        fh.writelines(f"{s},{v:.6f}\n" for s, v in zip(history["step"], history["loss"]))
+        fh.writelines(f"{s},{v:.6f}\n" for s, v in zip(history["step"], history["loss"], strict=True))
     with open(folder / f"{val_column}.csv", "w") as fh:
         fh.write(f"step,{val_column}\n")
-        fh.writelines(f"{s},{v:.6f}\n" for s, v in zip(history["val_step"], history["val_loss"]))
+        fh.writelines(f"{s},{v:.6f}\n" for s, v in zip(history["val_step"], history["val_loss"], strict=True))

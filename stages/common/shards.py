@@ -47,7 +47,9 @@ def shard_name(split: str, index: int) -> str:
 def read_meta(folder: str | Path) -> dict:
     path = Path(folder) / "meta.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run the tokenize stage first (snakemake tokenize / dvc repro tokenize)")
+        raise FileNotFoundError(
+            f"{path} not found: run the tokenize stage first (snakemake tokenize / dvc repro tokenize)"
+        )
     return json.loads(path.read_text())
 
 
@@ -71,8 +73,10 @@ def check_split(folder: str | Path, split: str) -> None:
             raise UserError(f"token shard {path} is missing; {fix}")
         size = path.stat().st_size
         if size != want * itemsize:
-            raise UserError(f"token shard {path} holds {size:,} bytes, but {folder / 'meta.json'} counts {want:,} "
-                            f"{meta['dtype']} ids ({want * itemsize:,} bytes): the shard is truncated or corrupted; {fix}")
+            raise UserError(
+                f"token shard {path} holds {size:,} bytes, but {folder / 'meta.json'} counts {want:,} "
+                f"{meta['dtype']} ids ({want * itemsize:,} bytes): the shard is truncated or corrupted; {fix}"
+            )
 
 
 def open_split(folder: str | Path, split: str) -> list[np.memmap]:
@@ -109,7 +113,7 @@ class ShardWriter:
             take.tofile(self._fh)
             self._room -= len(take)
             self.total += len(take)
-            ids = ids[len(take):]
+            ids = ids[len(take) :]
 
     def _roll(self) -> None:
         if self._fh:

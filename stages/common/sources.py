@@ -21,24 +21,39 @@ _CHAR_RNN = "https://raw.githubusercontent.com/karpathy/char-rnn/6f9487a6fe5b420
 _PLANETOID = "https://raw.githubusercontent.com/kimiyoung/planetoid/af6abf468a772cc055bec88c52e4d6f51b7c37e3"
 
 TINYSHAKESPEARE = RawFile(
-    "tinyshakespeare/input.txt", f"{_CHAR_RNN}/data/tinyshakespeare/input.txt",
-    "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed", 1115394,
+    "tinyshakespeare/input.txt",
+    f"{_CHAR_RNN}/data/tinyshakespeare/input.txt",
+    "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
+    1115394,
 )
 
 # WikiText-2 raw (Merity et al. 2016), the files of the `wikitext-2-raw-v1` release.
 WIKITEXT2 = {
-    "train": RawFile("wikitext-2-raw/wiki.train.raw", None,
-                     "6707892fa3788b5ab9ed78ab5ff37d9fe825f6011a2ad4fcd6a6d467f0e7da57", 10940747),
-    "val": RawFile("wikitext-2-raw/wiki.valid.raw", None,
-                   "4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7", 1146846),
-    "test": RawFile("wikitext-2-raw/wiki.test.raw", None,
-                    "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08", 1290590),
+    "train": RawFile(
+        "wikitext-2-raw/wiki.train.raw",
+        None,
+        "6707892fa3788b5ab9ed78ab5ff37d9fe825f6011a2ad4fcd6a6d467f0e7da57",
+        10940747,
+    ),
+    "val": RawFile(
+        "wikitext-2-raw/wiki.valid.raw",
+        None,
+        "4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7",
+        1146846,
+    ),
+    "test": RawFile(
+        "wikitext-2-raw/wiki.test.raw",
+        None,
+        "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08",
+        1290590,
+    ),
 }
 WIKITEXT2_HUB = ("wikitext", "wikitext-2-raw-v1")
 
 # Stanford Alpaca, a fixed 5,000-record subset (CC BY-NC 4.0); the full set comes from the hub.
-ALPACA_5K = RawFile("alpaca-5k/alpaca_data_5k.jsonl", None,
-                    "f0c5a51b4ed46c768c2eb617d29598bfe28dc4f4604dbbb5039016b7ae69aa39", 2039290)
+ALPACA_5K = RawFile(
+    "alpaca-5k/alpaca_data_5k.jsonl", None, "f0c5a51b4ed46c768c2eb617d29598bfe28dc4f4604dbbb5039016b7ae69aa39", 2039290
+)
 ALPACA_HUB = "tatsu-lab/alpaca"
 
 _PLANETOID_SUMS = {

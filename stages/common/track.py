@@ -41,8 +41,13 @@ def git_commit(root: Path | None = None) -> str:
     cwd = str(root or CODE_ROOT)
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, check=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
@@ -193,8 +198,11 @@ def close_orphaned_runs(client, experiment_id: str, stage: str) -> list[str]:
     space = pid_space()
     if not space:
         return []
-    found = client.search_runs([experiment_id], filter_string=f"tags.stage = '{stage}' and tags.pid_space = '{space}' "
-                                                              "and attributes.status = 'RUNNING'", max_results=100)
+    found = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.stage = '{stage}' and tags.pid_space = '{space}' and attributes.status = 'RUNNING'",
+        max_results=100,
+    )
     closed = []
     for run in found:
         pid, started = run.data.tags.get("pid"), run.data.tags.get("pid_start")
@@ -220,8 +228,10 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags
     if problem:
         from stages.common.config import UserError
 
-        raise UserError(f"MLflow tracking server {tracking_uri()} is unreachable ({problem}); start it, point "
-                        f"MLFLOW_TRACKING_URI at a running one, or unset it to track to ./mlflow.db")
+        raise UserError(
+            f"MLflow tracking server {tracking_uri()} is unreachable ({problem}); start it, point "
+            f"MLFLOW_TRACKING_URI at a running one, or unset it to track to ./mlflow.db"
+        )
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -242,7 +252,11 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags
     group = pipeline_run_id()
     parent = None
     if group:
-        lock = root / "mlflow.db.lock" if uri.startswith("sqlite:") else Path(tempfile.gettempdir()) / "mlflow-pipeline.lock"
+        lock = (
+            root / "mlflow.db.lock"
+            if uri.startswith("sqlite:")
+            else Path(tempfile.gettempdir()) / "mlflow-pipeline.lock"
+        )
         parent = _parent_run(client, experiment_id, group, lock)
     all_tags = {
         "stage": stage,
@@ -252,7 +266,9 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags
         "device": str(rt.device),
         "host": platform.node(),
         # the process that owns the run: a later start finds it gone if it was killed (close_orphaned_runs)
-        "pid": str(os.getpid()), "pid_start": _process_start(os.getpid()) or "", "pid_space": pid_space(),
+        "pid": str(os.getpid()),
+        "pid_start": _process_start(os.getpid()) or "",
+        "pid_space": pid_space(),
         # kernels, and so the last digits of results, depend on these
         **{k: ",".join(v) if isinstance(v, list) else v for k, v in dist.cpu_info().items()},
         **({"pipeline_run": group} if group else {}),

@@ -67,8 +67,7 @@ class SparseInputLinear(torch.nn.Module):
             crow_t[1:] = torch.cumsum(torch.bincount(cols, minlength=x.size(1)), 0)
             self._layout = (cols, perm, crow_t, rows[perm])
         _, perm, crow_t, col_t = self._layout
-        return torch.sparse_csr_tensor(crow_t, col_t, x.values()[perm], (x.size(1), x.size(0)),
-                                       check_invariants=False)
+        return torch.sparse_csr_tensor(crow_t, col_t, x.values()[perm], (x.size(1), x.size(0)), check_invariants=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.layout != torch.sparse_csr:
@@ -98,8 +97,7 @@ class GAT(torch.nn.Module):
     """Two GATConv layers: `heads` concatenated heads + ELU, then `output_heads` averaged heads
     (Velickovic et al. 2018); dropout on each layer's input and on the attention coefficients."""
 
-    def __init__(self, in_channels: int, hidden: int, out_channels: int, dropout: float, heads: int,
-                 output_heads: int):
+    def __init__(self, in_channels: int, hidden: int, out_channels: int, dropout: float, heads: int, output_heads: int):
         super().__init__()
         from torch_geometric.nn import GATConv
 

@@ -65,7 +65,7 @@ class LocalSlurm:
         self.procs: list[subprocess.Popen] = []
         self.saved_conf: bytes | None = None
 
-    def __enter__(self) -> "LocalSlurm":
+    def __enter__(self) -> LocalSlurm:
         try:
             self.start()
         except BaseException:
@@ -113,13 +113,16 @@ class LocalSlurm:
         raise RuntimeError(f"timed out waiting for {what}:\n{self.logs()}")
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted(self.state.glob("*.log")) + sorted(self.state.glob("*.out")))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted(self.state.glob("*.log")) + sorted(self.state.glob("*.out"))
+        )
 
     def job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job` as a dict (JobState, Restarts, JobName, ...)."""
-        out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True, check=True
+        ).stdout
         return dict(re.findall(r"(\w+)=(\S*)", out))
 
     def wait_job(self, job_id: str, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), seconds=900) -> dict:
@@ -154,8 +157,9 @@ def available() -> str | None:
 
     if os.geteuid() != 0:
         return "needs root to run munged, slurmctld and slurmd"
-    missing = [c for c in ("munged", "munge", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol")
-               if shutil.which(c) is None]
+    missing = [
+        c for c in ("munged", "munge", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol") if shutil.which(c) is None
+    ]
     if missing:
         return f"SLURM/munge not installed ({', '.join(missing)} missing; bash tests/system/install.sh slurm)"
     return None

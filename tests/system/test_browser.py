@@ -3,7 +3,8 @@
 A scratch clone runs the ci pipeline; the server is started with the exact command of the Makefile's
 mlflow-ui target (on 127.0.0.1, a free port); its REST API must show every stage's run nested under the
 one parent run of the invocation, with metrics and artifacts; headless Chromium then renders the
-experiment page, whose DOM must list the runs. Screenshots of the runs page and of a stage's run page are kept in tests/system/artifacts/.
+experiment page, whose DOM must list the runs. Screenshots of the runs page and of a stage's run page are
+kept in tests/system/artifacts/.
 The server is stopped by its PID.
 """
 
@@ -21,9 +22,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from workspace import BIN, ROOT, env_for, local_run, sh
 
 from pipelines import dag
-from workspace import BIN, ROOT, env_for, local_run, sh
 
 # Image builds and pipeline runs outlast the suite's per-test limit on 2 shared cores.
 pytestmark = [pytest.mark.system, pytest.mark.timeout(1800)]
@@ -42,8 +43,11 @@ def free_port() -> int:
 
 
 def api(base: str, path: str, body: dict | None = None) -> dict:
-    req = urllib.request.Request(base + path, data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        base + path,
+        data=json.dumps(body).encode() if body is not None else None,
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=30) as resp:
         return json.loads(resp.read())
 
@@ -60,8 +64,9 @@ def server(tmp_path_factory, mirror):
     assert "--host 127.0.0.1" in line and str(clone / "mlflow.db") in line
     args = shlex.split(line)
     log = open(tmp_path_factory.mktemp("mlflow-server") / "server.log", "w")
-    proc = subprocess.Popen([str(BIN / args[0]), *args[1:]], cwd=clone, env=env_for(clone), stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [str(BIN / args[0]), *args[1:]], cwd=clone, env=env_for(clone), stdout=log, stderr=subprocess.STDOUT
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 180
@@ -88,8 +93,13 @@ def server(tmp_path_factory, mirror):
 
 def pipeline_runs(base: str) -> tuple[str, dict, list[dict]]:
     exp = api(base, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=pipeline")["experiment"]
-    runs = api(base, "/api/2.0/mlflow/runs/search", {"experiment_ids": [exp["experiment_id"]], "max_results": 100})["runs"]
-    tags = lambda r: {t["key"]: t["value"] for t in r["data"].get("tags", [])}
+    runs = api(base, "/api/2.0/mlflow/runs/search", {"experiment_ids": [exp["experiment_id"]], "max_results": 100})[
+        "runs"
+    ]
+
+    def tags(r):
+        return {t["key"]: t["value"] for t in r["data"].get("tags", [])}
+
     parents = [r for r in runs if tags(r).get("pipeline_role") == "parent"]
     assert len(parents) == 1, f"one pipeline invocation, one parent run; got {len(parents)}"
     children = [r for r in runs if tags(r).get("mlflow.parentRunId") == parents[0]["info"]["run_id"]]
@@ -113,10 +123,19 @@ def test_rest_api_groups_stage_runs_with_metrics_and_artifacts(server):
 
 def render(url: str, profile: Path, *extra: str) -> str:
     """The page's DOM after its scripts ran (or Chromium's output for a screenshot)."""
-    browser = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-               f"--user-data-dir={profile}", "--window-size=1600,1000", "--virtual-time-budget=30000"]
-    return subprocess.run([*browser, *(extra or ("--dump-dom",)), url], capture_output=True, text=True,
-                          timeout=300).stdout
+    browser = [
+        chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        "--window-size=1600,1000",
+        "--virtual-time-budget=30000",
+    ]
+    return subprocess.run(
+        [*browser, *(extra or ("--dump-dom",)), url], capture_output=True, text=True, timeout=300
+    ).stdout
 
 
 def visible_text(dom: str) -> str:

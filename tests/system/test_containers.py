@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ci_params
 from workspace import BIN, MIRROR, ROOT, env_for, need_commands, need_root, output_hashes
 
@@ -37,8 +36,10 @@ def test_hadolint_passes_every_dockerfile():
 
 
 def test_gnn_image_build_is_skipped_here():
-    pytest.skip("containers/gnn: pyg-lib comes from the PyG wheel index (data.pyg.org), which this machine "
-                "cannot reach; its Dockerfile is linted here and its pins checked in tests/test_cluster.py")
+    pytest.skip(
+        "containers/gnn: pyg-lib comes from the PyG wheel index (data.pyg.org), which this machine "
+        "cannot reach; its Dockerfile is linted here and its pins checked in tests/test_cluster.py"
+    )
 
 
 class Podman:
@@ -46,14 +47,28 @@ class Podman:
 
     def __init__(self, root: Path):
         self.root = root
-        self.base = ["podman", "--root", str(root / "storage"), "--runroot", str(root / "run"),
-                     "--storage-driver", "vfs", "--runtime", "runc", "--cgroup-manager", "cgroupfs",
-                     "--events-backend", "none"]
+        self.base = [
+            "podman",
+            "--root",
+            str(root / "storage"),
+            "--runroot",
+            str(root / "run"),
+            "--storage-driver",
+            "vfs",
+            "--runtime",
+            "runc",
+            "--cgroup-manager",
+            "cgroupfs",
+            "--events-backend",
+            "none",
+        ]
 
     def __call__(self, *args: str, timeout: int = 1800, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run([*self.base, *args], capture_output=True, text=True, timeout=timeout)
         if check:
-            assert proc.returncode == 0, f"podman {' '.join(args[:3])} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+            assert proc.returncode == 0, (
+                f"podman {' '.join(args[:3])} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+            )
         return proc
 
 
@@ -75,11 +90,23 @@ def podman(tmp_path_factory):
 def base_image(podman, tmp_path_factory) -> str:
     """Debian bookworm with python3 and venv, made by debootstrap (the host's Debian mirror) and imported."""
     rootfs = tmp_path_factory.mktemp("rootfs") / "bookworm"
-    proc = subprocess.run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates",
-                           "bookworm", str(rootfs), "http://deb.debian.org/debian"],
-                          capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [
+            "debootstrap",
+            "--variant=minbase",
+            "--include=python3,python3-venv,ca-certificates",
+            "bookworm",
+            str(rootfs),
+            "http://deb.debian.org/debian",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     if proc.returncode != 0:
-        pytest.skip(f"debootstrap could not make a base image (no Debian mirror?):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        pytest.skip(
+            f"debootstrap could not make a base image (no Debian mirror?):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        )
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
     imported = subprocess.run([*podman.base, "import", "-", BASE], stdin=tar.stdout, capture_output=True, text=True)
     tar.wait()
@@ -91,22 +118,54 @@ def base_image(podman, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def lm_image(podman, base_image, tmp_path_factory) -> str:
     context = tmp_path_factory.mktemp("context")
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.split(b"\0")
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.split(b"\0")
     for name in filter(None, files):
         src = ROOT / name.decode()
         if src.is_file() and not name.startswith(b"tests/"):
             (context / name.decode()).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, context / name.decode())
     # The pinned packages as wheels, through the ordinary index (and any find-links pip is configured with).
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "-d", str(context / "wheels"),
-                           "-r", str(ROOT / "requirements.lock")], capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "-d",
+            str(context / "wheels"),
+            "-r",
+            str(ROOT / "requirements.lock"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, f"pip download of requirements.lock failed:\n{proc.stderr[-4000:]}"
     # --layers=false: one commit at the end; with vfs every intermediate layer is a full copy of the image.
-    podman("build", "--pull=never", "--layers=false", "--network", "none", "--ulimit", "nofile=1024:1024",
-           "--ulimit", "nproc=1024:1024", "--build-arg", f"BASE_IMAGE={base_image}",
-           "--build-arg", "PIP_OPTIONS=--no-index --find-links /src/wheels",
-           "-f", str(context / "containers/lm/Dockerfile"), "-t", IMAGE, str(context), timeout=2400)
+    podman(
+        "build",
+        "--pull=never",
+        "--layers=false",
+        "--network",
+        "none",
+        "--ulimit",
+        "nofile=1024:1024",
+        "--ulimit",
+        "nproc=1024:1024",
+        "--build-arg",
+        f"BASE_IMAGE={base_image}",
+        "--build-arg",
+        "PIP_OPTIONS=--no-index --find-links /src/wheels",
+        "-f",
+        str(context / "containers/lm/Dockerfile"),
+        "-t",
+        IMAGE,
+        str(context),
+        timeout=2400,
+    )
     shutil.rmtree(context)
     return IMAGE
 
@@ -126,11 +185,15 @@ def test_lm_image_runs_a_stage(podman, lm_image, tmp_path, mirror):
     inside = tmp_path / "inside"
     inside.mkdir()
     ci_params(inside)
-    proc = run_in(podman, lm_image, "sh", "-c",
-                  "python -m stages.tokenize --help && "
-                  "python -m pipelines.launch prepare_data --output data/prepare_data",
-                  volumes=[f"{inside}:/work", f"{MIRROR}:/mirror:ro"],
-                  env=["PIPELINE_DATA_MIRROR=/mirror", "MLFLOW_TRACKING_URI=sqlite:////work/mlflow.db"])
+    proc = run_in(
+        podman,
+        lm_image,
+        "sh",
+        "-c",
+        "python -m stages.tokenize --help && python -m pipelines.launch prepare_data --output data/prepare_data",
+        volumes=[f"{inside}:/work", f"{MIRROR}:/mirror:ro"],
+        env=["PIPELINE_DATA_MIRROR=/mirror", "MLFLOW_TRACKING_URI=sqlite:////work/mlflow.db"],
+    )
     assert "--input" in proc.stdout and "--output" in proc.stdout, proc.stdout
     assert "launch: /opt/venv/bin/python" in proc.stderr, "the stage ran on the image's Python"
 
@@ -138,9 +201,14 @@ def test_lm_image_runs_a_stage(podman, lm_image, tmp_path, mirror):
     outside = tmp_path / "outside"
     outside.mkdir()
     ci_params(outside)
-    subprocess.run([sys.executable, "-m", "stages.prepare_data", "--output", "data/prepare_data"], cwd=outside,
-                   env={**env_for(outside), "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{outside}/mlflow.db"},
-                   check=True, capture_output=True, timeout=900)
+    subprocess.run(
+        [sys.executable, "-m", "stages.prepare_data", "--output", "data/prepare_data"],
+        cwd=outside,
+        env={**env_for(outside), "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{outside}/mlflow.db"},
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
     ours, theirs = output_hashes(inside, ("data",)), output_hashes(outside, ("data",))
     assert len(ours) > 5 and sorted(ours) == sorted(theirs)
     differ = sorted(p for p in ours if ours[p] != theirs[p])

@@ -10,10 +10,8 @@ import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
-
 from workspace import ROOT, local_run, sh
 
 pytestmark = pytest.mark.system
@@ -57,8 +55,10 @@ def test_html_report_of_a_pipeline_run(tmp_path_factory, mirror):
     header, *rows = page.tables[0]
     assert header == results["row_fields"]
     assert len(rows) == len(results["rows"]) >= 2
-    for row, expected in zip(rows, results["rows"]):
-        assert row[0] == expected["result"] and float(row[header.index("ours")]) == pytest.approx(expected["ours"], rel=1e-3)
+    for row, expected in zip(rows, results["rows"], strict=True):
+        assert row[0] == expected["result"] and float(row[header.index("ours")]) == pytest.approx(
+            expected["ours"], rel=1e-3
+        )
         assert row[header.index("pass")] == ("PASS" if expected["pass"] else "FAIL")
     assert len(page.tables) == 1 + len(results["stage_metrics"])
     pretrain = page.tables[1 + list(results["stage_metrics"]).index("pretrain")]
@@ -66,7 +66,7 @@ def test_html_report_of_a_pipeline_run(tmp_path_factory, mirror):
 
     pngs = [p for p in results["plots"] if p.endswith(".png")]
     assert len(page.images) == len(pngs) >= 3
-    for src, plot in zip(page.images, pngs):
+    for src, plot in zip(page.images, pngs, strict=True):
         data = re.fullmatch(r"data:image/png;base64,(.+)", src).group(1)
         assert base64.b64decode(data) == (run / plot).read_bytes()
 
@@ -74,6 +74,18 @@ def test_html_report_of_a_pipeline_run(tmp_path_factory, mirror):
     if browser:
         shot = ROOT / "tests/system/artifacts/report.png"
         shot.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={out.parent / 'chromium'}",
-                        "--window-size=1400,2400", f"--screenshot={shot}", out.as_uri()], capture_output=True, timeout=300)
+        subprocess.run(
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                f"--user-data-dir={out.parent / 'chromium'}",
+                "--window-size=1400,2400",
+                f"--screenshot={shot}",
+                out.as_uri(),
+            ],
+            capture_output=True,
+            timeout=300,
+        )
         assert shot.is_file() and shot.stat().st_size > 10_000

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 import slurm
-from pipelines import dag
 from workspace import env_for, local_run, make_clone, output_hashes, sh
+
+from pipelines import dag
 
 # Image builds and pipeline runs outlast the suite's per-test limit on 2 shared cores.
 pytestmark = [pytest.mark.system, pytest.mark.timeout(3000)]
@@ -27,8 +27,16 @@ JOBS = [name for st in dag.load_table().values() for name, _ in st.instances()] 
 
 # Files whose bytes differ between two runs of the same code on the same data: the measured timings in
 # them. JSON files among them must still agree once those keys are dropped.
-TIMINGS = {"tokens_per_s", "mfu", "encode_s", "tokenizer_train_s", "train_s", "train_s_per_seed", "wall_s",
-           "peak_memory_mb"}  # measured, not computed: they vary from run to run
+TIMINGS = {
+    "tokens_per_s",
+    "mfu",
+    "encode_s",
+    "tokenizer_train_s",
+    "train_s",
+    "train_s_per_seed",
+    "wall_s",
+    "peak_memory_mb",
+}  # measured, not computed: they vary from run to run
 UNSTABLE = {
     "data/tokenize/metrics.json": "encode_s, tokenizer_train_s, tokens_per_s",
     "data/pretrain/metrics.json": "tokens_per_s, mfu",
@@ -69,8 +77,11 @@ def test_pipeline_through_slurm_equals_local_run(cluster, tmp_path_factory, mirr
     remote = make_clone(tmp_path_factory.mktemp("slurm-run"))
     tracking = remote / "cluster-tracking.db"
     # No GPUs on this node: a GPU request would be refused at sbatch.
-    out = sh(f"snakemake --profile pipelines/profiles/slurm --config cpu_only=1 mlflow_tracking_uri=sqlite:///{tracking}",
-             remote, timeout=2400)
+    out = sh(
+        f"snakemake --profile pipelines/profiles/slurm --config cpu_only=1 mlflow_tracking_uri=sqlite:///{tracking}",
+        remote,
+        timeout=2400,
+    )
 
     submitted = dict(re.findall(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: (\S+)\)", out))
     assert submitted, f"no job went through sbatch:\n{out[-4000:]}"
@@ -83,7 +94,7 @@ def test_pipeline_through_slurm_equals_local_run(cluster, tmp_path_factory, mirr
         assert Path(log).is_file(), f"no SLURM log for job {job_id}"
     assert set(by_rule) == STAGES, f"stages run through SLURM: {sorted(by_rule)}"
     assert len(submitted) == len(JOBS), "one sbatch job per stage (and foreach item)"
-    for rule, job_id in by_rule.items():
+    for job_id in by_rule.values():
         assert cluster.job(job_id)["WorkDir"] == str(remote)
 
     ours, theirs = output_hashes(remote), output_hashes(local)
@@ -121,12 +132,31 @@ def test_warning_signal_checkpoints_requeues_and_resumes(cluster, tmp_path_facto
     sh("snakemake --profile pipelines/profiles/local --cores 2 tokenize", work)
     script = work / "pretrain.sbatch"
     # exec: the batch shell is the launcher itself, so `scancel --batch --signal` reaches it.
-    script.write_text("#!/bin/bash\nexec python -m pipelines.launch pretrain --input data/tokenize "
-                      "--output data/pretrain steps=400 checkpoint_every=10 eval_every=400 log_every=10\n")
+    script.write_text(
+        "#!/bin/bash\nexec python -m pipelines.launch pretrain --input data/tokenize "
+        "--output data/pretrain steps=400 checkpoint_every=10 eval_every=400 log_every=10\n"
+    )
     log = work / "pretrain.log"
     job_id = subprocess.run(
-        ["sbatch", "--parsable", "--requeue", "--open-mode=append", "-o", str(log), "-c", "2", "-D", str(work),
-         str(script)], cwd=work, env=env_for(work), capture_output=True, text=True, check=True).stdout.strip()
+        [
+            "sbatch",
+            "--parsable",
+            "--requeue",
+            "--open-mode=append",
+            "-o",
+            str(log),
+            "-c",
+            "2",
+            "-D",
+            str(work),
+            str(script),
+        ],
+        cwd=work,
+        env=env_for(work),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
 
     checkpoints = work / "checkpoints" / "pretrain"
     deadline = time.time() + 600
@@ -140,7 +170,9 @@ def test_warning_signal_checkpoints_requeues_and_resumes(cluster, tmp_path_facto
     # until then slurmd still holds the first start's revoked credential and kills an early start.
     deadline = time.time() + 120
     while cluster.job(job_id)["Restarts"] == "0":
-        assert time.time() < deadline, f"job {job_id} was not requeued: {cluster.job(job_id)}\n{log.read_text()[-3000:]}"
+        assert time.time() < deadline, (
+            f"job {job_id} was not requeued: {cluster.job(job_id)}\n{log.read_text()[-3000:]}"
+        )
         time.sleep(1)
     info = cluster.wait_job(job_id, seconds=900)
     text = log.read_text()

@@ -23,8 +23,13 @@ BIN = Path(sys.executable).parent
 
 
 def env_for(cwd: Path, **extra) -> dict:
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "PIPELINE_DATA_MIRROR": str(MIRROR),
-           "PYTHONPATH": str(cwd), **extra}
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        "PIPELINE_DATA_MIRROR": str(MIRROR),
+        "PYTHONPATH": str(cwd),
+        **extra,
+    }
     for key in ("MLFLOW_TRACKING_URI", "PIPELINE_RUN_ID", "PIPELINE_SNAKEMAKE"):
         if key not in extra:
             env.pop(key, None)
@@ -32,8 +37,9 @@ def env_for(cwd: Path, **extra) -> dict:
 
 
 def sh(cmd: str, cwd: Path, timeout: int = 1200, check: bool = True, **extra) -> str:
-    proc = subprocess.run(cmd, shell=True, cwd=cwd, env=env_for(cwd, **extra), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        cmd, shell=True, cwd=cwd, env=env_for(cwd, **extra), capture_output=True, text=True, timeout=timeout
+    )
     out = proc.stdout + proc.stderr
     if check:
         assert proc.returncode == 0, f"`{cmd}` failed ({proc.returncode}):\n{out[-6000:]}"
@@ -42,17 +48,22 @@ def sh(cmd: str, cwd: Path, timeout: int = 1200, check: bool = True, **extra) ->
 
 def make_clone(dest: Path) -> Path:
     """The working tree (tracked and new files) as a fresh git repository, with the ci preset."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.split(b"\0")
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.split(b"\0")
     for name in filter(None, files):
         src = ROOT / name.decode()
         if src.is_file():
             (dest / name.decode()).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name.decode())
     # A fixed date: clones of the same tree get the same commit id, which stages record in their outputs.
-    sh("git init -q && python -m pipelines.preset ci && git add -A && "
-       "git -c user.name=ci -c user.email=ci@localhost commit -qm clone", dest,
-       GIT_AUTHOR_DATE="2000-01-01T00:00:00Z", GIT_COMMITTER_DATE="2000-01-01T00:00:00Z")
+    sh(
+        "git init -q && python -m pipelines.preset ci && git add -A && "
+        "git -c user.name=ci -c user.email=ci@localhost commit -qm clone",
+        dest,
+        GIT_AUTHOR_DATE="2000-01-01T00:00:00Z",
+        GIT_COMMITTER_DATE="2000-01-01T00:00:00Z",
+    )
     return dest
 
 
