@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from stages import eval_perplexity, prepare_data, tokenize  # noqa: E402
-from stages.common import dist, loop, sources  # noqa: E402
+from stages.common import loop, runtime, sources  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -164,12 +164,14 @@ def main() -> None:
                 precision="auto",
             ),
         ).ids
-        device = dist.init().device
-        model = AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=dist.compute_dtype(device)).to(device).eval()
+        device = runtime.init().device
+        model = (
+            AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=runtime.compute_dtype(device)).to(device).eval()
+        )
         base_tps, stage, rate = 0.0, None, 0.0
-        dtype = dist.compute_dtype(device)
+        dtype = runtime.compute_dtype(device)
         # bf16 beside fp32 on CPUs that compute it natively (on GPUs the stage is in bf16 already)
-        bf16 = device.type == "cpu" and dist.cpu_has_native_bf16() and not args.no_bf16
+        bf16 = device.type == "cpu" and runtime.cpu_has_native_bf16() and not args.no_bf16
         stage_bf16, rate_bf16 = None, 0.0
         for _ in range(args.repeats):
             m = eval_perplexity.main(stage_args)["models"]["bench"][f"ctx{args.context}"]
@@ -208,7 +210,7 @@ def main() -> None:
         f"tokens {stage['tokens']:,} vs {n_tokens:,})"
     )
 
-    cpu = dist.cpu_info()
+    cpu = runtime.cpu_info()
     print(f"CPU: {cpu['cpu_model']}, torch capability {cpu['cpu_capability']}, flags {' '.join(cpu['cpu_flags'])}")
     if stage_bf16 is not None:
         print(

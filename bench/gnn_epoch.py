@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stages import train_gnn  # noqa: E402
-from stages.common import config, dist  # noqa: E402
+from stages.common import config, runtime  # noqa: E402
 
 
 class PlainGCN(torch.nn.Module):
@@ -92,7 +92,7 @@ def plain_run(kind: str, data, cfg: train_gnn.Config, seed: int) -> tuple[float,
 
     t0 = time.perf_counter()
     best_val = test_acc = 0.0
-    for _ in range(cfg.gcn_epochs if kind == "gcn" else cfg.gat_epochs):
+    for _ in range(getattr(cfg, kind).epochs):
         train()
         _, val_acc, tmp_test_acc = test()
         if val_acc > best_val:
@@ -117,10 +117,10 @@ def main() -> None:
     parser.add_argument("--input", default=None, help="prepare_data's output (default: PIPELINE_DATA_MIRROR)")
     parser.add_argument("--params", default=str(Path(__file__).resolve().parent.parent / "params.yaml"))
     args = parser.parse_args()
-    cfg = config.load(train_gnn.Config, "train_gnn", args.params, ["dataset=Cora", "minibatch=false"])
+    cfg = config.load(train_gnn.Config, "train_gnn", args.params, ["dataset=Cora", "minibatch.enabled=false"])
     inp = Path(args.input or os.environ.get("PIPELINE_DATA_MIRROR") or "data/prepare_data")
     train_gnn.check_input(inp, "Cora")
-    rt = dist.init()  # one process; the stage's train_seed reads its device
+    rt = runtime.init()  # one process; the stage's train_seed reads its device
     torch.set_num_threads(args.threads or cfg.threads)
     stage_data, base_data = train_gnn.load_planetoid(inp, "Cora"), plain_data(inp)
 
@@ -148,7 +148,7 @@ def main() -> None:
         f"{'stage acc':>12} {'baseline acc':>13}"
     )
     for kind in cfg.models:
-        epochs = args.seeds * (cfg.gcn_epochs if kind == "gcn" else cfg.gat_epochs)
+        epochs = args.seeds * getattr(cfg, kind).epochs
         st, bl = (1000 * secs[w, kind] / epochs for w in ("stage", "baseline"))
         print(
             f"{kind.upper():6} {st:15.1f} {bl:18.1f} {st / bl:6.2f} {pm(acc['stage', kind]):>12} "

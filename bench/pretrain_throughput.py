@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stages.common import dist, loop, track  # noqa: E402
+from stages.common import loop, runtime, track  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, FFN, VOCAB, CONTEXT, BATCH = 256, 4, 8, 688, 4096, 256, 8
 
@@ -65,12 +65,11 @@ def make_model(seed: int = 0):
     )
 
 
-def loop_cfg(steps: int, compile_mode: str | None = None, precision: str = "fp32") -> loop.LoopConfig:
-    return loop.LoopConfig(
+def loop_cfg(steps: int, compile_mode: str | None = None, precision: str = "fp32") -> loop.TrainConfig:
+    return loop.TrainConfig(
         steps=steps,
         batch_size=BATCH,
         micro_batch_size=BATCH,
-        context_length=CONTEXT,
         lr=1e-3,
         min_lr=1e-4,
         warmup_steps=2,
@@ -93,11 +92,13 @@ def loop_cfg(steps: int, compile_mode: str | None = None, precision: str = "fp32
 
 
 def run_stage(tokens: np.ndarray, steps: int, compile_mode: str | None = None, precision: str = "fp32") -> float:
-    rt = dist.Runtime(0, 1, 0, 1, torch.device("cpu"))
+    rt = runtime.Runtime(0, 1, 0, 1, torch.device("cpu"))
     cfg = loop_cfg(steps, compile_mode, precision)
     with tempfile.TemporaryDirectory() as tmp:
-        out = loop.train(make_model(), tokens, tokens, cfg, rt, Path(tmp), track.Tracker(None), dist.StopFlag())
-    return out["tokens_per_s"]
+        out = loop.train(
+            make_model(), tokens, tokens, cfg, CONTEXT, rt, Path(tmp), track.Tracker(None), runtime.StopFlag()
+        )
+    return out.tokens_per_s
 
 
 def run_bare(tokens: np.ndarray, steps: int, dtype: torch.dtype = torch.float32) -> float:
@@ -215,7 +216,7 @@ def main() -> None:
     )
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 runs on CPUs that have bf16 instructions")
     args = parser.parse_args()
-    bf16 = dist.cpu_has_native_bf16() and not args.no_bf16
+    bf16 = runtime.cpu_has_native_bf16() and not args.no_bf16
     modes = args.compile or (["default"] if args.compile is not None else [])
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
@@ -258,7 +259,7 @@ def main() -> None:
             f"/ kernel ceiling {best[mode] / ceiling:.2f}"
         )
 
-    cpu = dist.cpu_info()
+    cpu = runtime.cpu_info()
     print(f"CPU: {cpu['cpu_model']}, torch capability {cpu['cpu_capability']}, flags {' '.join(cpu['cpu_flags'])}")
     if bf16:
         print(f"matmul 2048^3 bf16   {best['rate_bf16'] / 1e9:>10,.1f} GFLOP/s  ({best['rate_bf16'] / rate:.2f}x fp32)")

@@ -56,7 +56,8 @@ def child(base: str, quantization: str, steps: int) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     params = config.read_yaml(Path(__file__).resolve().parent.parent / "params.yaml")["finetune_qlora"]
-    cfg = config.build(ft.Config, ft.STAGE, {**params, "base": base, "quantization": quantization, "lora_r": 16})
+    overrides = {"base": base, "quantization": quantization, "lora": {"r": 16}}
+    cfg = config.build(ft.Config, ft.STAGE, config.merge(params, overrides))
     device = torch.device("cpu")
     model = ft.load_base(cfg, device, quantization == "nf4")
     linear_bytes, _ = ft.linear_weight_memory(model)

@@ -122,7 +122,7 @@ def main() -> None:
     # The child runs in a process group of its own, so Ctrl-C at a terminal reaches it once, through
     # this launcher (torchrun's shutdown breaks on a second signal), and it dies with the launcher:
     # killed with it, even by SIGKILL, it gets SIGTERM and its stage saves a checkpoint.
-    from stages.common.dist import die_with_parent
+    from stages.common.runtime import die_with_parent
 
     # No terminal input: a background process group reading it would be stopped (SIGTTIN).
     child = subprocess.Popen(

@@ -11,7 +11,7 @@ libraries inlined from the installed vl-convert-python, so `dvc plots show` rend
 import argparse
 from pathlib import Path
 
-from stages.common import ckpt
+from stages.common import atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = ROOT / ".dvc" / "plots" / "offline.html"
@@ -56,7 +56,7 @@ def write(path: Path = TEMPLATE) -> bool:
     if path.is_file() and path.read_text(encoding="utf8") == text:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
-    ckpt.write_text(path, text)
+    atomic.write_text(path, text)
     return True
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from stages import report
-from stages.common import ckpt, config, track
+from stages.common import atomic, config, track
 
 RECORDED = Path(__file__).resolve().parent / "recorded.yaml"
 HEADER = """\
@@ -60,7 +60,7 @@ def record(params_file: Path, data: Path, path: Path = RECORDED, preset: str = "
     out = io.StringIO()
     out.write(HEADER)
     yaml.safe_dump({"records": records}, out, sort_keys=False)
-    ckpt.write_text(path, out.getvalue())
+    atomic.write_text(path, out.getvalue())
     return entry
 
 

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.common import ckpt, config, dist, track
+from stages.common import atomic, ckpt, config, stage, track
 
 STAGE = "context_study"
 PI = "Chen et al. 2023 (Position Interpolation)"
@@ -297,13 +297,13 @@ def write_study(folder: Path, meta: dict, lengths: list[int], table: dict, posit
         "positions": positions,
         "findings": rows,
     }
-    ckpt.write_json(folder / "study.json", doc)
+    atomic.write_json(folder / "study.json", doc)
     (folder / "study.md").write_text(render(meta, lengths, table, positions, rows), encoding="utf-8")
-    ckpt.write_json(
+    atomic.write_json(
         folder / "results.json",
         [{k: r[k] for k in ("result", "paper", "published", "ours", "tolerance", "relation")} for r in rows],
     )
-    ckpt.write_json(
+    atomic.write_json(
         folder / "metrics.json",
         {"perplexity": doc["perplexity"], "findings": len(rows), "findings_hold": sum(r["pass"] for r in rows)},
     )
@@ -316,8 +316,10 @@ def write_study(folder: Path, meta: dict, lengths: list[int], table: dict, posit
 
 
 def main(argv=None) -> dict:
-    args, overrides = config.parse_cli(
+    args, cfg = stage.setup(
         __doc__,
+        STAGE,
+        Config,
         {
             "extend": "data/extend_context",
             "eval": "data/eval_perplexity/extend_context",
@@ -325,18 +327,17 @@ def main(argv=None) -> dict:
         },
         argv,
     )
-    cfg = config.load(Config, STAGE, args.params, overrides)
     extend, evaluated, output = Path(args.extend), Path(args.eval), Path(args.output)
     meta, metrics = load_inputs(extend, evaluated)
     lengths, table = perplexity_table(meta, metrics)
     positions = position_table(meta, metrics, lengths[-1])
     rows = [{**r, "pass": holds(r)} for r in findings(meta, table, cfg)]
-    rt = dist.init()
-    try:
+
+    def body(rt, stop):
         if rt.is_main:
             inputs_hash = ckpt.hash_files([extend / "meta.json", evaluated / "metrics.json"])
             with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt) as tracker:
-                with ckpt.atomic_dir(output) as tmp:
+                with atomic.folder(output) as tmp:
                     write_study(tmp, meta, lengths, table, positions, rows)
                 tracker.log_metrics({f"{name}.ppl_{n}": p for name, t in table.items() for n, p in t.items()})
                 tracker.log_metrics({"findings": len(rows), "findings_hold": sum(r["pass"] for r in rows)})
@@ -347,9 +348,9 @@ def main(argv=None) -> dict:
                 f"-> {output}/study.md"
             )
         return {"lengths": lengths, "perplexity": table, "findings": rows}
-    finally:
-        dist.teardown()
+
+    return stage.launch(STAGE, body)
 
 
 if __name__ == "__main__":
-    config.run(main)
+    stage.entry(main)

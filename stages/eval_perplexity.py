@@ -51,16 +51,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages.common import ckpt, config, dist, shards, track
+from stages.common import atomic, ckpt, config, runtime, shards, stage, track
 
 STAGE = "eval_perplexity"
-MODEL_WEIGHTS = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 METRICS = ("nll", "perplexity", "bits_per_byte", "byte_perplexity", "word_perplexity", "tokens", "tokens_per_s")
 
 
@@ -86,7 +79,7 @@ class Config:
     """auto (bf16 on GPUs, fp32 on CPUs) | fp32 | bf16 (weights in bf16; fast on CPUs with AVX512-BF16/AMX)."""
 
     def __post_init__(self):
-        dist.check_precision(self.precision)
+        runtime.check_precision(self.precision)
         if not self.contexts or min(self.contexts) < 1 or list(self.contexts) != sorted(set(self.contexts)):
             raise ValueError(
                 f"contexts must be a non-empty list of increasing positive ints, got {list(self.contexts)}"
@@ -145,8 +138,8 @@ def check_checkpoint(spec: ModelSpec):
     from transformers import AutoConfig
 
     for folder, cfg_name, weights in (
-        (spec.path, "config.json", MODEL_WEIGHTS),
-        (spec.adapter, "adapter_config.json", ADAPTER_WEIGHTS),
+        (spec.path, "config.json", ckpt.MODEL_WEIGHT_FILES),
+        (spec.adapter, "adapter_config.json", ckpt.ADAPTER_WEIGHT_FILES),
     ):
         if folder is None:
             continue
@@ -291,7 +284,7 @@ def batches(windows: list, size: int):
 
 
 @torch.inference_mode()
-def evaluate(model, ids: torch.Tensor, context: int, stride: int, batch_size: int, rt: dist.Runtime) -> torch.Tensor:
+def evaluate(model, ids: torch.Tensor, context: int, stride: int, batch_size: int, rt: runtime.Runtime) -> torch.Tensor:
     """(2, context) float64: NLL sum and scored-token count per prediction position, summed over ranks."""
     plan = plan_windows(len(ids), context, stride)
     mine = plan[rt.rank * len(plan) // rt.world_size : (rt.rank + 1) * len(plan) // rt.world_size]
@@ -308,7 +301,7 @@ def evaluate(model, ids: torch.Tensor, context: int, stride: int, batch_size: in
         scored = pos[None, :] >= torch.tensor([w[2] for w in batch], device=rt.device)[:, None]  # (B, keep)
         sums[0, first:length] += torch.where(scored, nll, 0.0).sum(0)
         sums[1, first:length] += scored.sum(0)
-    return dist.all_reduce_sum(sums)
+    return runtime.all_reduce_sum(sums)
 
 
 def safe_exp(x: float) -> float:
@@ -342,10 +335,10 @@ def position_buckets(sums: torch.Tensor, edges: tuple[int, ...]) -> dict:
     return out
 
 
-def load_model(spec: ModelSpec, rt: dist.Runtime, precision: str = "auto"):
+def load_model(spec: ModelSpec, rt: runtime.Runtime, precision: str = "auto"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dist.compute_dtype(rt.device, precision))
+    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=runtime.compute_dtype(rt.device, precision))
     if spec.adapter is not None:
         from peft import PeftModel
 
@@ -384,7 +377,7 @@ def plot(metrics: dict, path: Path) -> None:
 
 
 def write_outputs(metrics: dict, folder: Path) -> None:
-    ckpt.write_json(folder / "metrics.json", metrics)
+    atomic.write_json(folder / "metrics.json", metrics)
     with open(folder / "table.csv", "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(("model", "context", "metric", "value"))
@@ -392,18 +385,18 @@ def write_outputs(metrics: dict, folder: Path) -> None:
     plot(metrics, folder / "plots" / "perplexity_vs_context.png")
 
 
-def run(specs, streams, cfg: Config, output: Path, rt: dist.Runtime, tracker: track.Tracker) -> dict:
+def run(specs, streams, cfg: Config, output: Path, rt: runtime.Runtime, tracker: track.Tracker) -> dict:
     first = next(iter(streams.values()))
     metrics = {"bytes": first.bytes, "words": first.words, "models": {}}
-    dtype = dist.compute_dtype(rt.device, cfg.precision)
-    dist.warn_if_emulated_bf16(rt.device, dtype, rt)
-    with ckpt.atomic_dir(output, rt) as tmp:
+    dtype = runtime.compute_dtype(rt.device, cfg.precision)
+    runtime.warn_if_emulated_bf16(rt.device, dtype, rt)
+    with atomic.folder(output, rt) as tmp:
         for spec in specs:
             model, stream = load_model(spec, rt, cfg.precision), streams[spec.label]
             results = metrics["models"][spec.label] = {}
             for context in cfg.contexts:
                 stride = cfg.stride or context
-                dist.barrier()
+                runtime.barrier()
                 t0 = time.perf_counter()
                 sums = evaluate(model, stream.ids, context, stride, cfg.batch_size, rt).cpu()
                 seconds = time.perf_counter() - t0
@@ -417,7 +410,7 @@ def run(specs, streams, cfg: Config, output: Path, rt: dist.Runtime, tracker: tr
                 if cfg.position_buckets:
                     m["buckets"] = position_buckets(sums, cfg.position_buckets)
                 results[f"ctx{context}"] = m
-                dist.print0(
+                runtime.print0(
                     f"eval_perplexity: {spec.label} context {context} stride {stride}: perplexity "
                     f"{m['perplexity']:.4f}, {m['bits_per_byte']:.4f} bits/byte, {tokens:,} tokens, "
                     f"{m['tokens_per_s']:,.0f} tokens/s",
@@ -433,13 +426,13 @@ def run(specs, streams, cfg: Config, output: Path, rt: dist.Runtime, tracker: tr
         if rt.is_main:
             write_outputs(metrics, tmp)
             # Kernels (and so the last digits of the perplexities) depend on the CPU and the dtype.
-            ckpt.write_json(
+            atomic.write_json(
                 tmp / "meta.json",
                 {
                     "compute_dtype": str(dtype),
                     "world_size": rt.world_size,
                     "git_commit": track.git_commit(),
-                    "cpu": dist.cpu_info(),
+                    "cpu": runtime.cpu_info(),
                 },
             )
     if rt.is_main:
@@ -450,12 +443,13 @@ def run(specs, streams, cfg: Config, output: Path, rt: dist.Runtime, tracker: tr
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args, overrides = config.parse_cli(
-        __doc__, {"models": [], "input": "data/tokenize", "text": "", "output": ""}, argv
-    )
+    args, overrides = stage.parse_cli(__doc__, {"models": [], "input": "data/tokenize", "text": "", "output": ""}, argv)
     # `label=path` model specs look like overrides to the shared parser; params keys tell them apart.
     keys = {f.name for f in dataclasses.fields(Config)}
-    is_key = lambda item: item.partition("=")[0].removeprefix(f"{STAGE}.") in keys  # noqa: E731
+
+    def is_key(item: str) -> bool:
+        return item.partition("=")[0].removeprefix(f"{STAGE}.") in keys
+
     model_items = sorted([m for m in args.models + overrides if not is_key(m)], key=argv.index)
     cfg = config.load(Config, STAGE, args.params, [o for o in overrides if is_key(o)])
     specs = parse_models(model_items)
@@ -464,18 +458,17 @@ def main(argv=None) -> dict:
     output = Path(args.output or f"data/{STAGE}/{specs[0].label}")
     text = Path(args.text) if args.text else None
     streams = prepare(specs, cfg, Path(args.input), text)
-    rt = dist.init()
-    try:
-        inputs = [p for s in specs for p in (s.path, s.adapter) if p] + [text or Path(args.input)]
-        inputs_hash = ckpt.hash_files(inputs) if rt.is_main else ""
-        tags = {"models": " ".join(model_items), "data": str(text or f"{args.input}:{cfg.split}")}
-        with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags=tags) as tracker:
+    inputs = [p for s in specs for p in (s.path, s.adapter) if p] + [text or Path(args.input)]
+    tags = {"models": " ".join(model_items), "data": str(text or f"{args.input}:{cfg.split}")}
+
+    def body(rt, stop):
+        with stage.tracked(STAGE, cfg, inputs, rt, tags=tags) as (tracker, _):
             metrics = run(specs, streams, cfg, output, rt, tracker)
-        dist.print0(f"eval_perplexity: {len(specs)} model(s) x {len(cfg.contexts)} context(s) -> {output}", rt=rt)
+        runtime.print0(f"eval_perplexity: {len(specs)} model(s) x {len(cfg.contexts)} context(s) -> {output}", rt=rt)
         return metrics
-    finally:
-        dist.teardown()
+
+    return stage.launch(STAGE, body)
 
 
 if __name__ == "__main__":
-    config.run(main)
+    stage.entry(main)

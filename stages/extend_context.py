@@ -12,7 +12,7 @@ intact:
                  is the direct fine-tune without scaling (the control of the Position Interpolation paper)
 
 Fine-tuning uses the codebase's one training loop (stages/common/loop.py: DDP or FSDP2, warmup +
-cosine, accumulation, checkpoints every `checkpoint_every` steps and on SIGTERM, exact resume). Each
+cosine, accumulation, checkpoints every `train.checkpoint_every` steps and on a stop signal, exact resume). Each
 fine-tune resumes from checkpoints/extend_context/<hash of params, variant and inputs>/; a finished
 one is kept there as `final/` until the stage publishes, so a re-run after a crash skips it.
 
@@ -22,7 +22,7 @@ and the context_study stage compares them with the published findings.
 Run:
     python -m stages.extend_context --base data/pretrain/model --input data/tokenize --output data/extend_context
     torchrun --nproc-per-node 2 -m stages.extend_context --base data/pretrain/model --input data/tokenize \\
-        --output data/extend_context factor=2 steps=50
+        --output data/extend_context factor=2 train.steps=50
     snakemake --cores all extend_context      # or: dvc repro extend_context
 
 Output (data/extend_context/):
@@ -36,7 +36,6 @@ Output (data/extend_context/):
 from __future__ import annotations
 
 import copy
-import dataclasses
 import gc
 import json
 import shutil
@@ -45,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common import ckpt, config, dist, loop, shards, track
+from stages.common import atomic, ckpt, config, loop, runtime, shards, stage, track
 
 STAGE = "extend_context"
 UNSCALED = "unscaled"
@@ -69,34 +68,10 @@ class Config:
     """name -> {rope_type: linear | dynamic | yarn | llama3, and that type's keys} (transformers rope_parameters)."""
     finetune: tuple[str, ...]
     """Variants to fine-tune at s x L (names of `variants`, or `unscaled` for the direct fine-tune); [] = none."""
-    # fine-tuning, as in the pretrain stage (the context is s x L)
-    steps: int
-    batch_size: int
-    """Sequences of s x L tokens per optimizer step, over all processes."""
-    micro_batch_size: int
-    lr: float
-    min_lr: float
-    warmup_steps: int
-    weight_decay: float
-    beta1: float
-    beta2: float
-    grad_clip: float
-    strategy: str
-    """ddp | fsdp."""
-    activation_checkpointing: bool
-    compile: bool
-    compile_mode: str
-    precision: str
-    """auto (bf16 autocast on GPUs, fp32 on CPUs) | fp32 | bf16."""
-    eval_every: int
-    eval_batches: int
-    checkpoint_every: int
-    log_every: int
-    seed: int
-    peak_tflops: float
+    train: loop.TrainConfig
+    """Fine-tuning at s x L, as in the pretrain stage (batch_size counts sequences of s x L tokens)."""
 
     def __post_init__(self):
-        dist.check_precision(self.precision)
         if not self.factor > 1:
             raise ValueError(f"factor must be greater than 1 (the context grows s-fold), got {self.factor}")
         if self.original_context < 0:
@@ -109,11 +84,6 @@ class Config:
                 f"finetune: {unknown[0] if unknown else 'a repeated name'} is not a variant; valid: "
                 f"{', '.join([UNSCALED, *self.variants])}, each at most once"
             )
-        if self.strategy not in loop.STRATEGIES:
-            raise ValueError(f"strategy: unknown strategy {self.strategy!r}; valid: {', '.join(loop.STRATEGIES)}")
-        loop.check_compile_mode(self.compile_mode)
-        if min(self.steps, self.batch_size, self.micro_batch_size, self.log_every) < 1:
-            raise ValueError("steps, batch_size, micro_batch_size and log_every must be >= 1")
 
 
 def check_variant(name: str, spec) -> None:
@@ -141,11 +111,6 @@ def check_variant(name: str, spec) -> None:
         raise ValueError(f"{where}: llama3 needs 0 < low_freq_factor < high_freq_factor")
 
 
-def loop_config(cfg: Config, context: int) -> loop.LoopConfig:
-    names = {f.name for f in dataclasses.fields(loop.LoopConfig)}
-    return loop.LoopConfig(context_length=context, **{k: v for k, v in dataclasses.asdict(cfg).items() if k in names})
-
-
 def scaled_config(base_config, spec: dict | None, factor: float, original: int):
     """The base model's config with the variant's RoPE scaling (spec None: unscaled, only longer)."""
     c = copy.deepcopy(base_config)
@@ -170,9 +135,7 @@ def check_inputs(base: Path, data: Path, cfg: Config):
 
     if not (base / "config.json").is_file():
         raise config.UserError(f"extend_context: {base} has no config.json; pass --base a Hugging Face model folder")
-    if not any(
-        (base / w).is_file() for w in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-    ):
+    if not ckpt.has_weights(base):
         raise config.UserError(
             f"extend_context: {base} has no weights (model.safetensors); the checkpoint is incomplete"
         )
@@ -217,83 +180,48 @@ class PrefixedTracker:
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         self.tracker.log_metrics({f"{self.prefix}.{k}": v for k, v in metrics.items()}, step=step)
 
+    def set_tags(self, tags: dict) -> None:
+        self.tracker.set_tags(tags)
+
 
 def finetune(
-    name: str,
-    model_config,
-    base: Path,
-    data: Path,
-    cfg: Config,
-    lcfg: loop.LoopConfig,
-    inputs_hash: str,
-    rt: dist.Runtime,
-    tracker,
-    stop: dist.StopFlag,
-) -> dict | None:
-    """Fine-tune one variant at s x L; its final weights end in <checkpoints>/final/ (HF format).
-    Returns the run's summary, or None when SIGTERM stopped it (a checkpoint holds the progress)."""
-    folder = ckpt.checkpoint_dir(STAGE, {**config.as_dict(cfg), "variant": name}, inputs_hash)
-    with ckpt.exclusive(folder, rt):  # no second run trains this variant into the same folder meanwhile
-        return _finetune(name, model_config, base, data, cfg, lcfg, folder, rt, tracker, stop)
-
-
-def _finetune(
-    name: str,
-    model_config,
-    base: Path,
-    data: Path,
-    cfg: Config,
-    lcfg: loop.LoopConfig,
-    folder: Path,
-    rt: dist.Runtime,
-    tracker,
-    stop: dist.StopFlag,
-) -> dict | None:
+    name: str, model_config, base: Path, data: Path, cfg: Config, context: int, folder: Path, rt, tracker, stop
+) -> dict:
+    """Fine-tune one variant at s x L (context tokens); its final weights end in <folder>/final/ (HF
+    format), kept until the stage publishes, so a re-run after a crash skips a finished variant."""
     from transformers import AutoModelForCausalLM
 
     final = folder / "final"
     if final.is_dir():
-        dist.print0(f"extend_context: {name} already fine-tuned in {final}", rt=rt)
+        runtime.print0(f"extend_context: {name} already fine-tuned in {final}", rt=rt)
         return ckpt_summary(final)
-    dist.seed_everything(cfg.seed)
+    runtime.seed_everything(cfg.train.seed)
     # fp32 master weights everywhere; on GPU the loop computes in bf16 under autocast.
     model = AutoModelForCausalLM.from_pretrained(base, config=model_config, dtype=torch.float32)
-    result = loop.train(
-        model,
-        shards.load_split(data, "train"),
-        shards.load_split(data, "val"),
-        lcfg,
-        rt,
-        folder,
-        PrefixedTracker(tracker, name),
-        stop,
-    )
-    if result["stopped"]:
-        return None
-    state = loop.full_state_dict(result["model"], rt)
-    del result["model"], model
+    train_tokens, val_tokens = shards.load_split(data, "train"), shards.load_split(data, "val")
+    variant_tracker = PrefixedTracker(tracker, name)
+    result = stage.train(model, train_tokens, val_tokens, cfg.train, context, rt, folder, variant_tracker, stop)
+    state = ckpt.full_state_dict(result.model, rt)
+    del result.model, model
     gc.collect()
-    hist = result["history"]
+    hist = result.history
     summary = {
         "final_train_loss": hist["loss"][-1],
         "final_val_loss": hist["val_loss"][-1] if hist["val_loss"] else None,
-        "tokens_per_s": result["tokens_per_s"],
+        "tokens_per_s": result.tokens_per_s,
         "steps": hist["step"][-1],
-        "history": {
-            "step": hist["step"],
-            "loss": hist["loss"],
-            "val_step": hist["val_step"],
-            "val_loss": hist["val_loss"],
-        },
+        "history": {k: hist[k] for k in ("step", "loss", "val_step", "val_loss")},
     }
-    with ckpt.atomic_dir(final, rt) as tmp:
-        if rt.is_main:
-            trained = AutoModelForCausalLM.from_config(model_config)
-            trained.load_state_dict(state)
-            trained.save_pretrained(tmp)
-            ckpt.write_json(tmp / "summary.json", summary)
+
+    def write(tmp: Path) -> None:
+        trained = AutoModelForCausalLM.from_config(model_config)
+        trained.load_state_dict(state)
+        trained.save_pretrained(tmp)
+        atomic.write_json(tmp / "summary.json", summary)
+
+    stage.publish(final, rt, write)
     if rt.is_main:
-        for step_dir in folder.glob("step-*"):
+        for step_dir in ckpt.checkpoints(folder):
             shutil.rmtree(step_dir, ignore_errors=True)
     return summary
 
@@ -333,7 +261,7 @@ def plot_finetunes(summaries: dict, folder: Path) -> None:
     plt.close(fig)
 
 
-def publish(
+def write_outputs(
     tmp: Path,
     base: Path,
     configs: dict,
@@ -364,14 +292,14 @@ def publish(
         "original_context": original,
         "factor": cfg.factor,
         "extended_context": int(round(cfg.factor * original)),
-        "finetune_steps": cfg.steps,
+        "finetune_steps": cfg.train.steps,
         "variants": variants,
         "order": list(variants),
         "git_commit": track.git_commit(),
-        "compute_dtype": str(dist.compute_dtype(device, cfg.precision)),
-        "cpu": dist.cpu_info(),
+        "compute_dtype": str(runtime.compute_dtype(device, cfg.train.precision)),
+        "cpu": runtime.cpu_info(),
     }
-    ckpt.write_json(tmp / "meta.json", meta)
+    atomic.write_json(tmp / "meta.json", meta)
     metrics = {
         "extended_context": meta["extended_context"],
         **{
@@ -379,38 +307,26 @@ def publish(
             for n, s in summaries.items()
         },
     }
-    ckpt.write_json(tmp / "metrics.json", metrics)
+    atomic.write_json(tmp / "metrics.json", metrics)
     if summaries:
         plot_finetunes({f"{n}-ft": s for n, s in summaries.items()}, tmp / "plots")
     return meta
 
 
-def run(
-    base: Path,
-    data: Path,
-    output: Path,
-    cfg: Config,
-    configs: dict,
-    lcfg: loop.LoopConfig,
-    original: int,
-    rt: dist.Runtime,
-    stop: dist.StopFlag,
-) -> dict | None:
-    inputs_hash = dist.broadcast_object(ckpt.hash_files([base, data]) if rt.is_main else None)
+def run(base: Path, data: Path, output: Path, cfg: Config, configs: dict, original: int, rt, stop) -> dict:
+    """Fine-tune the variants in `finetune`, then publish every variant. Wrapped models live only in here."""
+    context = int(round(cfg.factor * original))
+    digest = stage.inputs_hash([base, data], rt)
     summaries, finals = {}, {}
-    with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"base": str(base)}) as tracker:
+    with stage.tracked(STAGE, cfg, digest, rt, tags={"base": str(base)}) as (tracker, _):
         for name in cfg.finetune:
-            dist.print0(f"extend_context: fine-tuning {name} at context {lcfg.context_length}", rt=rt)
-            summary = finetune(name, configs[name], base, data, cfg, lcfg, inputs_hash, rt, tracker, stop)
-            if summary is None:
-                tracker.set_tags({"stopped_by": stop.signal or "SIGTERM"})
-                return None
-            summaries[name] = summary
-            finals[name] = ckpt.checkpoint_dir(STAGE, {**config.as_dict(cfg), "variant": name}, inputs_hash) / "final"
-        meta = None
-        with ckpt.atomic_dir(output, rt) as tmp:
-            if rt.is_main:
-                meta = publish(tmp, base, configs, summaries, finals, cfg, original, rt.device)
+            runtime.print0(f"extend_context: fine-tuning {name} at context {context}", rt=rt)
+            with stage.checkpoints(STAGE, cfg, digest, rt, variant=name) as folder:
+                summaries[name] = finetune(name, configs[name], base, data, cfg, context, folder, rt, tracker, stop)
+            finals[name] = folder / "final"
+        meta = stage.publish(
+            output, rt, lambda tmp: write_outputs(tmp, base, configs, summaries, finals, cfg, original, rt.device)
+        )
         if rt.is_main:
             final_metrics = track.flatten(json.loads((output / "metrics.json").read_text()))
             tracker.log_metrics({k: v for k, v in final_metrics.items() if v is not None})
@@ -418,39 +334,26 @@ def run(
             if summaries:
                 tracker.log_artifact(output / "plots", "plots")
             for final in finals.values():  # published: the fine-tunes' checkpoints are spent
-                shutil.rmtree(final.parent, ignore_errors=True)
-    return {"meta": dist.broadcast_object(meta), "summaries": summaries}
+                ckpt.discard(final.parent)
+    runtime.print0(
+        f"extend_context: {len(meta['variants'])} variants for context {context} "
+        f"(L = {original}, s = {cfg.factor:g}) -> {output}/model",
+        rt=rt,
+    )
+    return {"meta": meta, "summaries": summaries}
 
 
 def main(argv=None) -> dict:
-    args, overrides = config.parse_cli(
-        __doc__, {"base": "data/pretrain/model", "input": "data/tokenize", "output": "data/extend_context"}, argv
-    )
-    cfg = config.load(Config, STAGE, args.params, overrides)
+    paths = {"base": "data/pretrain/model", "input": "data/tokenize", "output": "data/extend_context"}
+    args, cfg = stage.setup(__doc__, STAGE, Config, paths, argv)
     base, data, output = Path(args.base), Path(args.input), Path(args.output)
     base_config, original = check_inputs(base, data, cfg)
     configs = {UNSCALED: scaled_config(base_config, None, cfg.factor, original)}
     configs |= {name: scaled_config(base_config, spec, cfg.factor, original) for name, spec in cfg.variants.items()}
-    lcfg = loop_config(cfg, int(round(cfg.factor * original)))
-    rt = dist.init()
-    stop = dist.handle_sigterm()
-    try:
-        try:
-            loop.grad_accum_steps(lcfg, rt.world_size)
-        except ValueError as e:
-            raise config.UserError(f"params.yaml: {STAGE}.{e}") from None
-        out = run(base, data, output, cfg, configs, lcfg, original, rt, stop)
-    finally:
-        dist.teardown()
-    if out is None:
-        raise SystemExit(143)  # preempted: a checkpoint holds the progress; re-running resumes from it
-    dist.print0(
-        f"extend_context: {len(out['meta']['variants'])} variants for context "
-        f"{out['meta']['extended_context']} (L = {original}, s = {cfg.factor:g}) -> {output}/model",
-        rt=rt,
+    return stage.launch(
+        STAGE, lambda rt, stop: run(base, data, output, cfg, configs, original, rt, stop), train=cfg.train
     )
-    return out
 
 
 if __name__ == "__main__":
-    config.run(main)
+    stage.entry(main)

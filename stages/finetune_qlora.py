@@ -45,19 +45,32 @@ from pathlib import Path
 
 import torch
 
-from stages.common import ckpt, config, dist, instructions, loop, track
+from stages.common import atomic, ckpt, config, instructions, loop, runtime, stage, track
 
 STAGE = "finetune_qlora"
 QUANTIZATIONS = ("nf4", "none")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 # QLoRA (Dettmers et al. 2023), section 3: NF4 with double quantization stores 4 + 0.127 bits per weight.
 NF4_BITS_PER_WEIGHT = 4.127
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """The adapters (Hu et al. 2021): B A added to each target linear layer's weight, scaled by alpha / r."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]
+    """Module name suffixes that get adapters, or [all-linear] (every linear layer but the output head)."""
+
+    def __post_init__(self):
+        if self.r < 1:
+            raise ValueError(f"r must be >= 1, got {self.r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("target_modules must name at least one module (or [all-linear])")
 
 
 @dataclass(frozen=True)
@@ -65,77 +78,36 @@ class Config:
     base: str
     """The model to fine-tune: a Hugging Face folder (the pretrain stage's model) or a hub model id."""
     quantization: str
-    """nf4 (QLoRA: 4-bit NormalFloat base, double quantization) | none (LoRA on the unquantized base)."""
     quant_storage: str
-    """dtype of the packed 4-bit weights: auto (= compute dtype, what FSDP can shard), float32, bfloat16, uint8."""
     double_quant: bool
-    """Quantize the quantization constants too (QLoRA's double quantization)."""
-    lora_r: int
-    lora_alpha: float
-    lora_dropout: float
-    target_modules: tuple[str, ...]
-    """Module name suffixes that get adapters, or [all-linear] (every linear layer but the output head)."""
+    lora: LoRA
     template: str
-    """Prompt template: alpaca (the Stanford Alpaca prompt) | short (its instruction/input/response headers only)."""
     seq_length: int
-    """Tokens per training sequence; shorter records are padded, longer responses cut."""
     eval_fraction: float
-    """Share of the records held out for eval loss (at least one)."""
-    steps: int
-    batch_size: int
-    """Records per optimizer step over all processes."""
-    micro_batch_size: int
-    """Records per forward pass per process; accumulation = batch_size / (micro_batch_size x processes)."""
-    lr: float
-    min_lr: float
-    warmup_steps: int
-    weight_decay: float
-    beta1: float
-    beta2: float
-    grad_clip: float
-    strategy: str
-    """fsdp (FSDP2 fully_shard per decoder layer, then the root) | ddp."""
-    activation_checkpointing: bool
-    eval_every: int
-    """Eval loss every N steps (0: only once, at the end)."""
-    eval_batches: int
-    """Global batches of eval records per evaluation (0: enough to cover the eval records once)."""
-    checkpoint_every: int
-    """Save a checkpoint every N steps (0: only on SIGTERM)."""
-    log_every: int
-    seed: int
-    peak_tflops: float
-    """Peak dense FLOP/s of one process's device, in TFLOP/s, for MFU."""
+    train: loop.TrainConfig
 
     def __post_init__(self):
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: unknown {self.quantization!r}; valid: {', '.join(QUANTIZATIONS)}")
         if self.quant_storage != "auto" and self.quant_storage not in DTYPES:
             raise ValueError(f"quant_storage: unknown dtype {self.quant_storage!r}; valid: auto, {', '.join(DTYPES)}")
-        if self.strategy not in loop.STRATEGIES:
-            raise ValueError(f"strategy: unknown strategy {self.strategy!r}; valid: {', '.join(loop.STRATEGIES)}")
         if self.template not in ("alpaca", "short"):
             raise ValueError(f"template: unknown template {self.template!r}; valid: alpaca, short")
-        if not self.target_modules:
-            raise ValueError("target_modules must name at least one module (or [all-linear])")
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"eval_fraction must be between 0 and 1, got {self.eval_fraction}")
-        if min(self.lora_r, self.seq_length, self.steps, self.batch_size, self.micro_batch_size, self.log_every) < 1:
-            raise ValueError("lora_r, seq_length, steps, batch_size, micro_batch_size and log_every must be >= 1")
-        if min(self.warmup_steps, self.eval_every, self.eval_batches, self.checkpoint_every) < 0:
-            raise ValueError("warmup_steps, eval_every, eval_batches and checkpoint_every must be >= 0")
-
-
-def loop_config(cfg: Config, eval_batches: int) -> loop.LoopConfig:
-    names = {f.name for f in dataclasses.fields(loop.LoopConfig)}
-    values = {k: v for k, v in dataclasses.asdict(cfg).items() if k in names} | {"eval_batches": eval_batches}
-    # compile stays off: bitsandbytes' 4-bit kernels are opaque to torch.compile
-    return loop.LoopConfig(**values, context_length=cfg.seq_length, compile=False)
+        if self.seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1, got {self.seq_length}")
+        if self.train.compile:
+            raise ValueError("train.compile: bitsandbytes' 4-bit kernels are opaque to torch.compile; set it false")
+        if self.train.precision != "auto":
+            raise ValueError(
+                "train.precision: the base computes in its load dtype (bf16 on GPUs, fp32 on CPUs); set it to auto"
+            )
 
 
 # ----------------------------------------------------------------------------------------------- model
 def storage_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    return dist.compute_dtype(device) if cfg.quant_storage == "auto" else DTYPES[cfg.quant_storage]
+    return runtime.compute_dtype(device) if cfg.quant_storage == "auto" else DTYPES[cfg.quant_storage]
 
 
 def check_base(cfg: Config) -> dict:
@@ -149,9 +121,9 @@ def check_base(cfg: Config) -> dict:
                 f"finetune_qlora.base: {path} holds no config.json; run the pretrain stage first "
                 f"or set finetune_qlora.base to a model folder or hub id"
             )
-        if not any((path / w).is_file() for w in WEIGHT_FILES):
+        if not ckpt.has_weights(path):
             raise config.UserError(
-                f"finetune_qlora.base: {path} has no weights ({' or '.join(WEIGHT_FILES[:2])}); "
+                f"finetune_qlora.base: {path} has no weights ({' or '.join(ckpt.MODEL_WEIGHT_FILES[:2])}); "
                 f"re-run the stage that wrote it or point base at a complete model folder"
             )
     try:
@@ -161,35 +133,35 @@ def check_base(cfg: Config) -> dict:
             f"finetune_qlora.base: cannot load {cfg.base!r} ({str(e).splitlines()[0]}); "
             f"give a model folder or a hub model id"
         ) from None
-    if "all-linear" not in cfg.target_modules:
+    if "all-linear" not in cfg.lora.target_modules:
         with torch.device("meta"):
             shell = AutoModelForCausalLM.from_config(mc)
         linear = {name.rsplit(".", 1)[-1] for name, m in shell.named_modules() if isinstance(m, torch.nn.Linear)}
-        unknown = [t for t in cfg.target_modules if t not in linear]
+        unknown = [t for t in cfg.lora.target_modules if t not in linear]
         if unknown:
             raise config.UserError(
-                f"finetune_qlora.target_modules: {', '.join(unknown)} match no linear layer of "
+                f"finetune_qlora.lora.target_modules: {', '.join(unknown)} match no linear layer of "
                 f"{cfg.base}; its linear layers are {', '.join(sorted(linear))} (or use [all-linear])"
             )
     return mc.to_dict()
 
 
-def check_parallelism(cfg: Config, rt: dist.Runtime) -> None:
+def check_parallelism(cfg: Config, rt: runtime.Runtime) -> None:
     """FSDP flattens and shards parameters of one dtype: the packed 4-bit weights must share the dtype
     of the other parameters (norms, embeddings, adapters)."""
-    storage, compute = storage_dtype(cfg, rt.device), dist.compute_dtype(rt.device)
-    if cfg.quantization == "nf4" and cfg.strategy == "fsdp" and rt.distributed and storage != compute:
+    storage, compute = storage_dtype(cfg, rt.device), runtime.compute_dtype(rt.device)
+    if cfg.quantization == "nf4" and cfg.train.strategy == "fsdp" and rt.distributed and storage != compute:
         raise config.UserError(
             f"finetune_qlora.quant_storage={cfg.quant_storage}: FSDP cannot shard {storage} packed weights beside "
             f"{compute} parameters; set quant_storage: auto ({str(compute).removeprefix('torch.')} here) "
-            "or strategy: ddp"
+            "or train.strategy: ddp"
         )
 
 
 def load_base(cfg: Config, device: torch.device, quantized: bool):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    dtype = dist.compute_dtype(device)
+    dtype = runtime.compute_dtype(device)
     kwargs = {"dtype": dtype, "device_map": {"": device}}
     if quantized:
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -253,11 +225,11 @@ def _refuse_cpu_packing(layer, *args, name: str):
 def lora_config(cfg: Config):
     from peft import LoraConfig
 
-    targets = "all-linear" if "all-linear" in cfg.target_modules else list(cfg.target_modules)
+    targets = "all-linear" if "all-linear" in cfg.lora.target_modules else list(cfg.lora.target_modules)
     return LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
         target_modules=targets,
         task_type="CAUSAL_LM",
     )
@@ -336,7 +308,7 @@ def write_plots(tmp: Path, hist: dict, cfg: Config) -> None:
     if val:
         ax.plot(list(val), list(val.values()), "o-", label="eval")
     ax.set(
-        xlabel="step", ylabel="loss (nats/token)", title=f"finetune_qlora: LoRA r={cfg.lora_r}, base {cfg.quantization}"
+        xlabel="step", ylabel="loss (nats/token)", title=f"finetune_qlora: LoRA r={cfg.lora.r}, base {cfg.quantization}"
     )
     ax.legend()
     fig.tight_layout()
@@ -360,12 +332,12 @@ def result_rows(cfg: Config, metrics: dict) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------- run
 def run(
-    cfg: Config, records: list[dict], records_path: Path, output: Path, rt: dist.Runtime, stop: dist.StopFlag
+    cfg: Config, records: list[dict], records_path: Path, output: Path, rt: runtime.Runtime, stop: runtime.StopFlag
 ) -> dict:
     """Train and publish. The wrapped model lives only in here (it must be gone before teardown)."""
     from transformers import AutoTokenizer
 
-    dist.seed_everything(cfg.seed)
+    runtime.seed_everything(cfg.train.seed)
     tok = AutoTokenizer.from_pretrained(cfg.base)
     inputs, targets, dropped = instructions.encode(records, tok, cfg.template, cfg.seq_length)
     if len(inputs) < 2:
@@ -373,48 +345,43 @@ def run(
             f"finetune_qlora: only {len(inputs)} of {len(records)} records leave room for a response "
             f"in seq_length={cfg.seq_length} tokens; raise seq_length"
         )
-    train_rows, eval_rows = instructions.split(len(inputs), cfg.eval_fraction, cfg.seed)
-    train_src = instructions.Records(inputs[train_rows], targets[train_rows], cfg.batch_size, cfg.seed)
-    eval_src = instructions.Records(inputs[eval_rows], targets[eval_rows], cfg.batch_size, cfg.seed)
-    lcfg = loop_config(cfg, cfg.eval_batches or math.ceil(len(eval_src) / cfg.batch_size))
-    base_path = Path(cfg.base)
-    hashed = [records_path, base_path] if base_path.exists() else [records_path]
-    inputs_hash = dist.broadcast_object(ckpt.hash_files(hashed) if rt.is_main else None)
-    ckpt_folder = ckpt.checkpoint_dir(STAGE, config.as_dict(cfg), inputs_hash)
-
+    train_rows, eval_rows = instructions.split(len(inputs), cfg.eval_fraction, cfg.train.seed)
+    batch, seed = cfg.train.batch_size, cfg.train.seed
+    train_src = instructions.Records(inputs[train_rows], targets[train_rows], batch, seed)
+    eval_src = instructions.Records(inputs[eval_rows], targets[eval_rows], batch, seed)
+    # eval_batches 0: enough global batches to cover every eval record once
+    train_cfg = dataclasses.replace(cfg.train, eval_batches=cfg.train.eval_batches or math.ceil(len(eval_src) / batch))
     model = load_base(cfg, rt.device, cfg.quantization == "nf4")
     linear_bytes, linear_weights = linear_weight_memory(model)
     model = add_adapters(model, cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    dist.print0(
+    runtime.print0(
         f"finetune_qlora: {len(train_src)} train / {len(eval_src)} eval records ({dropped} too long), "
         f"{trainable / 1e6:.3f}M trainable parameters, base {cfg.quantization}",
         rt=rt,
     )
-    # The checkpoint folder is this run's until it has published and discarded it (ckpt.exclusive).
+    steps = cfg.train.steps
+    digest = stage.inputs_hash([records_path, Path(cfg.base)] if Path(cfg.base).exists() else [records_path], rt)
     with (
-        ckpt.exclusive(ckpt_folder, rt),
-        track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"checkpoints": str(ckpt_folder)}) as tracker,
+        stage.checkpoints(STAGE, cfg, digest, rt) as folder,
+        stage.tracked(STAGE, cfg, digest, rt, tags={"checkpoints": str(folder)}) as (tracker, _),
     ):
-        result = loop.train(model, train_src, eval_src, lcfg, rt, ckpt_folder, tracker, stop)
-        if result["stopped"]:
-            tracker.set_tags({"stopped_by": stop.signal or "SIGTERM", "resume_from": str(ckpt_folder)})
-            return {"stopped": True}
-        hist = result["history"]
-        if hist["val_step"] and hist["val_step"][-1] == cfg.steps:
+        result = stage.train(model, train_src, eval_src, train_cfg, cfg.seq_length, rt, folder, tracker, stop)
+        hist = result.history
+        if hist["val_step"] and hist["val_step"][-1] == steps:
             eval_loss = hist["val_loss"][-1]
         else:  # the final eval, also the last point of the eval-loss curve
-            eval_loss = loop.evaluate(result["model"], eval_src, lcfg, rt)
-            hist = {**hist, "val_step": [*hist["val_step"], cfg.steps], "val_loss": [*hist["val_loss"], eval_loss]}
-        peak = max(dist.gather_objects(peak_memory_mb(rt.device)))
-        adapter_sd = loop.full_state_dict(result["model"], rt, trainable_only=True)
-        trained = None if rt.distributed else result["model"]
-        del model, result["model"]
+            eval_loss = loop.evaluate(result.model, eval_src, train_cfg, rt)
+            hist = {**hist, "val_step": [*hist["val_step"], steps], "val_loss": [*hist["val_loss"], eval_loss]}
+        peak = max(runtime.gather_objects(peak_memory_mb(rt.device)))
+        adapter_sd = ckpt.full_state_dict(result.model, rt, trainable_only=True)
+        trained = None if rt.distributed else result.model
+        del model, result.model
         gc.collect()
         metrics = {
             "eval_loss": eval_loss,
             "final_train_loss": hist["loss"][-1],
-            "tokens_per_s": result["tokens_per_s"],
+            "tokens_per_s": result.tokens_per_s,
             "peak_memory_mb": peak,
             "linear_weight_mb": linear_bytes / 2**20,
             "linear_weight_bits_per_weight": 8 * linear_bytes / linear_weights,
@@ -423,77 +390,69 @@ def run(
             "train_records": len(train_src),
             "eval_records": len(eval_src),
         }
-        tracker.log_metrics(
-            {k: metrics[k] for k in ("eval_loss", "peak_memory_mb", "linear_weight_mb")}, step=cfg.steps
-        )
-        with ckpt.atomic_dir(output, rt) as tmp:
-            if rt.is_main:
-                save_adapter_and_merged(tmp, adapter_sd, cfg, tok, rt.device)
-                ckpt.write_json(tmp / "metrics.json", metrics)
-                ckpt.write_json(tmp / "results.json", result_rows(cfg, metrics))
-                ckpt.write_json(
-                    tmp / "meta.json",
-                    {
-                        "base": cfg.base,
-                        "quantization": cfg.quantization,
-                        "step": cfg.steps,
-                        "dropped_records": dropped,
-                        "git_commit": track.git_commit(),
-                        "storage_dtype": str(storage_dtype(cfg, rt.device)),
-                        "compute_dtype": str(dist.compute_dtype(rt.device)),
-                        "world_size": rt.world_size,
-                        "cpu": dist.cpu_info(),
-                    },
-                )
-                write_plots(tmp, hist, cfg)
+        tracker.log_metrics({k: metrics[k] for k in ("eval_loss", "peak_memory_mb", "linear_weight_mb")}, step=steps)
+        meta = {
+            "base": cfg.base,
+            "quantization": cfg.quantization,
+            "step": steps,
+            "dropped_records": dropped,
+            "git_commit": track.git_commit(),
+            "storage_dtype": str(storage_dtype(cfg, rt.device)),
+            "compute_dtype": str(runtime.compute_dtype(rt.device)),
+            "world_size": rt.world_size,
+            "cpu": runtime.cpu_info(),
+        }
+
+        def write(tmp: Path) -> None:
+            save_adapter_and_merged(tmp, adapter_sd, cfg, tok, rt.device)
+            atomic.write_json(tmp / "metrics.json", metrics)
+            atomic.write_json(tmp / "results.json", result_rows(cfg, metrics))
+            atomic.write_json(tmp / "meta.json", meta)
+            write_plots(tmp, hist, cfg)
+
+        stage.publish(output, rt, write)
         if rt.is_main:
             tracker.log_artifact(output / "plots/loss.png", "plots")
             tracker.log_artifact(output / "metrics.json")
-            ckpt.discard(ckpt_folder)  # the run is complete; its checkpoints are spent
-    # One process: hand back the trained model itself (tests compare it with what was saved).
-    return {**metrics, "history": hist, "stopped": False, "model": trained}
-
-
-def main(argv=None) -> dict:
-    args, overrides = config.parse_cli(
-        __doc__, {"input": "data/prepare_data", "output": "data/finetune_qlora/nf4"}, argv
+            ckpt.discard(folder)  # the run is complete; its checkpoints are spent
+    runtime.print0(
+        f"finetune_qlora ({cfg.quantization}): eval loss {eval_loss:.4f}, peak memory {peak:.0f} MiB, linear "
+        f"weights {metrics['linear_weight_mb']:.2f} MiB ({metrics['linear_weight_bits_per_weight']:.2f} bits/weight) "
+        f"-> {output}",
+        rt=rt,
     )
-    cfg = config.load(Config, STAGE, args.params, overrides)
-    inp, output = Path(args.input), Path(args.output)
+    # One process: hand back the trained model itself (tests compare it with what was saved).
+    return {**metrics, "history": hist, "model": trained}
+
+
+def check_records(inp: Path) -> tuple[Path, list[dict]]:
     records_path = inp / "instructions.jsonl" if inp.is_dir() else inp
     if not records_path.is_file():
         raise config.UserError(
             f"finetune_qlora: no instruction records at {records_path}; run prepare_data "
             f"(prepare_data.instructions must not be none) or pass --input FILE.jsonl"
         )
-    records = instructions.read_records(records_path)
+    return records_path, instructions.read_records(records_path)
+
+
+def main(argv=None) -> dict:
+    paths = {"input": "data/prepare_data", "output": "data/finetune_qlora/nf4"}
+    args, cfg = stage.setup(__doc__, STAGE, Config, paths, argv)
+    output = Path(args.output)
+    records_path, records = check_records(Path(args.input))
     base_config = check_base(cfg)
     if cfg.seq_length > base_config.get("max_position_embeddings", cfg.seq_length):
         raise config.UserError(
             f"params.yaml: finetune_qlora.seq_length ({cfg.seq_length}) exceeds the base model's "
             f"max_position_embeddings ({base_config['max_position_embeddings']}); lower seq_length"
         )
-    rt = dist.init()
-    stop = dist.handle_sigterm()
-    try:
+
+    def body(rt, stop):
         check_parallelism(cfg, rt)
-        try:
-            loop.grad_accum_steps(loop_config(cfg, 1), rt.world_size)
-        except ValueError as e:
-            raise config.UserError(f"params.yaml: finetune_qlora.{e}") from None
-        out = run(cfg, records, records_path, output, rt, stop)
-    finally:
-        dist.teardown()
-    if out["stopped"]:
-        raise SystemExit(143)  # preempted: a checkpoint holds the progress; re-running resumes from it
-    dist.print0(
-        f"finetune_qlora ({cfg.quantization}): eval loss {out['eval_loss']:.4f}, peak memory "
-        f"{out['peak_memory_mb']:.0f} MiB, linear weights {out['linear_weight_mb']:.2f} MiB "
-        f"({out['linear_weight_bits_per_weight']:.2f} bits/weight) -> {output}",
-        rt=rt,
-    )
-    return out
+        return run(cfg, records, records_path, output, rt, stop)
+
+    return stage.launch(STAGE, body, train=cfg.train)
 
 
 if __name__ == "__main__":
-    config.run(main)
+    stage.entry(main)

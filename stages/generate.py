@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common import config
+from stages.common import config, stage
 
 
 def generate(
@@ -74,4 +74,4 @@ def main(argv=None) -> str:
 
 
 if __name__ == "__main__":
-    config.run(main)
+    stage.entry(main)

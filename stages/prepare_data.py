@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.common import ckpt, config, dist, sources, track
+from stages.common import atomic, ckpt, config, runtime, sources, stage, track
 
 STAGE = "prepare_data"
 SPLITS = ("train", "val", "test")
@@ -330,7 +330,7 @@ def write_graphs(cfg: Config, out: Path) -> dict:
 
 # ----------------------------------------------------------------------------------------------- main
 def prepare(cfg: Config, output: Path) -> dict:
-    with tempfile.TemporaryDirectory(prefix="prepare_data-") as work, ckpt.atomic_dir(output) as tmp:
+    with tempfile.TemporaryDirectory(prefix="prepare_data-") as work, atomic.folder(output) as tmp:
         work = Path(work)
         docs, source = load_corpus(cfg, work)
         meta = {"corpus": {**source, "splits": write_corpus(docs, cfg, tmp / "corpus")}}
@@ -338,8 +338,8 @@ def prepare(cfg: Config, output: Path) -> dict:
             meta["instructions"] = write_instructions(cfg, tmp, work)
         meta["graphs"] = {"names": list(cfg.graphs), "raw_sha256": write_graphs(cfg, tmp)}
         meta["files"] = {str(p.relative_to(tmp)): ckpt.sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-        ckpt.write_json(tmp / "meta.json", meta)
-        ckpt.write_json(tmp / "metrics.json", metrics_of(meta))
+        atomic.write_json(tmp / "meta.json", meta)
+        atomic.write_json(tmp / "metrics.json", metrics_of(meta))
     return meta
 
 
@@ -352,10 +352,9 @@ def metrics_of(meta: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    args, overrides = config.parse_cli(__doc__, {"output": "data/prepare_data"}, argv)
-    cfg = config.load(Config, STAGE, args.params, overrides)
-    rt = dist.init()
-    try:
+    args, cfg = stage.setup(__doc__, STAGE, Config, {"output": "data/prepare_data"}, argv)
+
+    def body(rt, stop):
         # Copying and verifying files is rank 0's job; the other ranks learn how it went.
         meta, error = None, None
         if rt.is_main:
@@ -363,18 +362,18 @@ def main(argv=None) -> dict:
                 meta = run_tracked(cfg, Path(args.output), rt)
             except DataError as e:
                 error = e
-        error = dist.broadcast_object(error)
+        error = runtime.broadcast_object(error)
         if error:
             raise error
-        meta = dist.broadcast_object(meta)
+        meta = runtime.broadcast_object(meta)
         sizes = ", ".join(f"{s} {d['bytes']:,} bytes" for s, d in meta["corpus"]["splits"].items())
-        dist.print0(f"prepare_data: {meta['corpus']['corpus']} ({sizes}) -> {args.output}", rt=rt)
+        runtime.print0(f"prepare_data: {meta['corpus']['corpus']} ({sizes}) -> {args.output}", rt=rt)
         return meta
-    finally:
-        dist.teardown()
+
+    return stage.launch(STAGE, body)
 
 
-def run_tracked(cfg: Config, output: Path, rt: dist.Runtime) -> dict:
+def run_tracked(cfg: Config, output: Path, rt: runtime.Runtime) -> dict:
     with track.start_run(STAGE, config.as_dict(cfg), "", rt) as tracker:
         meta = prepare(cfg, output)
         tracker.set_tags({"inputs_hash": ckpt.checkpoint_key({}, json.dumps(meta["corpus"]["sha256"], sort_keys=True))})
@@ -384,4 +383,4 @@ def run_tracked(cfg: Config, output: Path, rt: dist.Runtime) -> dict:
 
 
 if __name__ == "__main__":
-    config.run(main)
+    stage.entry(main)

@@ -6,12 +6,12 @@ warmup + cosine, accumulation, clipping, validation, checkpoints), and writes th
 Hugging Face format with its tokenizer.
 
 Checkpoints live in checkpoints/pretrain/<hash of params and inputs>/step-<n>/ (sharded, written
-atomically, every `checkpoint_every` steps and on SIGTERM); re-running after a crash or preemption
+atomically, every `train.checkpoint_every` steps and on a stop signal); re-running after a crash or preemption
 resumes from the newest complete one, with the same losses as an uninterrupted run.
 
 Run:
     python -m stages.pretrain --input data/tokenize --output data/pretrain [key=value ...]
-    torchrun --nproc-per-node 2 -m stages.pretrain --input data/tokenize --output data/pretrain strategy=fsdp
+    torchrun --nproc-per-node 2 -m stages.pretrain --input data/tokenize --output data/pretrain train.strategy=fsdp
     snakemake --cores all pretrain            # or: dvc repro pretrain
 
 Output (data/pretrain/):
@@ -24,93 +24,49 @@ Output (data/pretrain/):
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.common import ckpt, config, dist, loop, shards, track
+from stages.common import atomic, ckpt, config, loop, runtime, shards, stage, track
 
 STAGE = "pretrain"
 
 
 @dataclass(frozen=True)
-class Config:
-    # model
+class ModelConfig:
+    """A Llama decoder (the vocabulary is the tokenizer's)."""
+
     n_layers: int
-    """Decoder layers."""
     hidden_size: int
-    """Model width."""
     n_heads: int
-    """Attention heads (hidden_size must be a multiple)."""
     n_kv_heads: int
-    """Key/value heads (grouped-query attention when fewer than n_heads)."""
     intermediate_size: int
-    """MLP width."""
     max_position_embeddings: int
-    """The model's configured context; context_length may not exceed it."""
     rope_theta: float
-    """RoPE base frequency."""
-    # training
-    context_length: int
-    """Tokens per training window."""
-    steps: int
-    """Optimizer steps."""
-    batch_size: int
-    """Sequences per optimizer step over all processes (tokens per step = batch_size x context_length)."""
-    micro_batch_size: int
-    """Sequences per forward pass per process; accumulation = batch_size / (micro_batch_size x processes)."""
-    lr: float
-    min_lr: float
-    warmup_steps: int
-    weight_decay: float
-    beta1: float
-    beta2: float
-    grad_clip: float
-    strategy: str
-    """ddp | fsdp (FSDP2 fully_shard per decoder layer, then the root)."""
-    activation_checkpointing: bool
-    compile: bool
-    """torch.compile the model (per layer under fsdp) and the loss."""
-    compile_mode: str
-    """torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs."""
-    precision: str
-    """auto (bf16 autocast on GPUs, fp32 on CPUs) | fp32 | bf16 (autocast; fast on CPUs with AVX512-BF16/AMX)."""
-    eval_every: int
-    """Validation loss every N steps (0: only never)."""
-    eval_batches: int
-    """Global batches of fixed validation windows per evaluation."""
-    checkpoint_every: int
-    """Save a checkpoint every N steps (0: only on SIGTERM)."""
-    log_every: int
-    seed: int
-    peak_tflops: float
-    """Peak dense FLOP/s of one process's device, in TFLOP/s, for MFU (fp32 CPU here ~0.1; H100 bf16 ~990)."""
 
     def __post_init__(self):
-        if self.strategy not in loop.STRATEGIES:
-            raise ValueError(f"strategy: unknown strategy {self.strategy!r}; valid: {', '.join(loop.STRATEGIES)}")
-        loop.check_compile_mode(self.compile_mode)
-        dist.check_precision(self.precision)
-        if self.context_length > self.max_position_embeddings:
-            raise ValueError(
-                f"context_length ({self.context_length}) exceeds max_position_embeddings "
-                f"({self.max_position_embeddings}); lower it or raise max_position_embeddings"
-            )
+        if min(self.n_layers, self.hidden_size, self.n_heads, self.n_kv_heads, self.intermediate_size) < 1:
+            raise ValueError("n_layers, hidden_size, n_heads, n_kv_heads and intermediate_size must be >= 1")
         if self.hidden_size % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError("hidden_size must be a multiple of n_heads, and n_heads of n_kv_heads")
-        if min(self.n_layers, self.steps, self.batch_size, self.micro_batch_size, self.log_every) < 1:
-            raise ValueError("n_layers, steps, batch_size, micro_batch_size and log_every must be >= 1")
-        if self.warmup_steps < 0 or self.eval_every < 0 or self.checkpoint_every < 0:
-            raise ValueError("warmup_steps, eval_every and checkpoint_every must be >= 0")
 
 
-def loop_config(cfg: Config) -> loop.LoopConfig:
-    names = {f.name for f in dataclasses.fields(loop.LoopConfig)}
-    return loop.LoopConfig(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in names})
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    context_length: int
+    train: loop.TrainConfig
+
+    def __post_init__(self):
+        if not 1 <= self.context_length <= self.model.max_position_embeddings:
+            raise ValueError(
+                f"context_length ({self.context_length}) must be between 1 and model.max_position_embeddings "
+                f"({self.model.max_position_embeddings}); lower it or raise model.max_position_embeddings"
+            )
 
 
-def build_model(cfg: Config, vocab: dict):
+def build_model(cfg: ModelConfig, vocab: dict):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     mc = LlamaConfig(
@@ -155,14 +111,14 @@ def check_input(folder: Path) -> dict:
     return meta
 
 
-def save_outputs(tmp: Path, model_sd: dict, cfg: Config, meta_in: dict, inp: Path, result: dict) -> dict:
+def save_outputs(tmp: Path, model_sd: dict, cfg: Config, meta_in: dict, inp: Path, result: loop.TrainResult) -> dict:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    hist = result["history"]
-    model = build_model(cfg, meta_in)
+    hist = result.history
+    model = build_model(cfg.model, meta_in)
     model.load_state_dict(model_sd)
     model.save_pretrained(tmp / "model")
     shutil.copytree(inp / "tokenizer", tmp / "model", dirs_exist_ok=True)
@@ -170,17 +126,19 @@ def save_outputs(tmp: Path, model_sd: dict, cfg: Config, meta_in: dict, inp: Pat
     steps = hist["step"][-1]
     meta = {
         "step": steps,
-        "tokens_seen": steps * cfg.batch_size * cfg.context_length,
+        "tokens_seen": steps * cfg.train.batch_size * cfg.context_length,
         "final_train_loss": hist["loss"][-1],
         "final_val_loss": hist["val_loss"][-1] if hist["val_loss"] else None,
         "git_commit": track.git_commit(),
         "parameters": n_params,
-        "flops_per_token": result["flops_per_token"],
+        "flops_per_token": result.flops_per_token,
         "model_config": model.config.to_dict(),
-        "compute_dtype": result["compute_dtype"],
-        "cpu": dist.cpu_info(),
+        "compute_dtype": result.compute_dtype,
+        "cpu": runtime.cpu_info(),
     }
-    ckpt.write_json(tmp / "meta.json", meta)
+    atomic.write_json(tmp / "meta.json", meta)
+    metrics = {k: meta[k] for k in ("final_train_loss", "final_val_loss", "tokens_seen", "parameters")}
+    atomic.write_json(tmp / "metrics.json", metrics | {"tokens_per_s": result.tokens_per_s, "mfu": result.mfu})
     loop.write_curves(tmp / "plots", hist)
     val = dict(zip(hist["val_step"], hist["val_loss"], strict=True))
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -195,75 +153,40 @@ def save_outputs(tmp: Path, model_sd: dict, cfg: Config, meta_in: dict, inp: Pat
     return meta
 
 
-def run(
-    cfg: Config, lcfg: loop.LoopConfig, inp: Path, output: Path, meta_in: dict, rt: dist.Runtime, stop: dist.StopFlag
-) -> dict:
-    """Train and publish. The wrapped (DDP/FSDP) model lives only in here: it must be gone before the
-    process group is torn down, or gloo's shutdown can deadlock on it."""
-    dist.seed_everything(cfg.seed)
-    inputs_hash = dist.broadcast_object(ckpt.hash_files([inp]) if rt.is_main else None)
-    ckpt_folder = ckpt.checkpoint_dir(STAGE, config.as_dict(cfg), inputs_hash)
-    train_tokens = shards.load_split(inp, "train")
-    val_tokens = shards.load_split(inp, "val")
-    # The checkpoint folder is this run's until it has published and discarded it (ckpt.exclusive).
+def run(cfg: Config, inp: Path, output: Path, meta_in: dict, rt: runtime.Runtime, stop: runtime.StopFlag) -> dict:
+    """Build the model and data, train, publish. The wrapped (DDP/FSDP) model lives only in here: it
+    must be gone before the process group is torn down, or gloo's shutdown can deadlock on it."""
+    runtime.seed_everything(cfg.train.seed)
+    model = build_model(cfg.model, meta_in)
+    train_tokens, val_tokens = shards.load_split(inp, "train"), shards.load_split(inp, "val")
+    digest = stage.inputs_hash([inp], rt)
     with (
-        ckpt.exclusive(ckpt_folder, rt),
-        track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt, tags={"checkpoints": str(ckpt_folder)}) as tracker,
+        stage.checkpoints(STAGE, cfg, digest, rt) as folder,
+        stage.tracked(STAGE, cfg, digest, rt, tags={"checkpoints": str(folder)}) as (tracker, _),
     ):
-        result = loop.train(build_model(cfg, meta_in), train_tokens, val_tokens, lcfg, rt, ckpt_folder, tracker, stop)
-        if result["stopped"]:
-            tracker.set_tags({"stopped_by": stop.signal or "SIGTERM", "resume_from": str(ckpt_folder)})
-            return {"stopped": True}
-        model_sd = loop.full_state_dict(result["model"], rt)
-        meta = None
-        with ckpt.atomic_dir(output, rt) as tmp:
-            if rt.is_main:
-                meta = save_outputs(tmp, model_sd, cfg, meta_in, inp, result)
-                ckpt.write_json(
-                    tmp / "metrics.json",
-                    {k: meta[k] for k in ("final_train_loss", "final_val_loss", "tokens_seen", "parameters")}
-                    | {"tokens_per_s": result["tokens_per_s"], "mfu": result["mfu"]},
-                )
+        result = stage.train(model, train_tokens, val_tokens, cfg.train, cfg.context_length, rt, folder, tracker, stop)
+        model_sd = ckpt.full_state_dict(result.model, rt)
+        meta = stage.publish(output, rt, lambda tmp: save_outputs(tmp, model_sd, cfg, meta_in, inp, result))
         if rt.is_main:
             tracker.log_artifact(output / "plots/loss.png", "plots")
             tracker.log_artifact(output / "meta.json")
-            ckpt.discard(ckpt_folder)  # the run is complete; its checkpoints are spent
-    meta = dist.broadcast_object(meta)
+            ckpt.discard(folder)  # the run is complete; its checkpoints are spent
+    val = meta["final_val_loss"]
+    runtime.print0(
+        f"pretrain: {meta['parameters'] / 1e6:.2f}M parameters, {meta['step']} steps, train loss "
+        f"{meta['final_train_loss']:.4f}, val loss {'-' if val is None else f'{val:.4f}'} -> {output}",
+        rt=rt,
+    )
     # One process: hand back the trained model itself (tests compare it with what was saved).
-    return {
-        **meta,
-        "history": result["history"],
-        "stopped": False,
-        "model": None if rt.distributed else result["model"],
-    }
+    return {**meta, "history": result.history, "model": None if rt.distributed else result.model}
 
 
 def main(argv=None) -> dict:
-    args, overrides = config.parse_cli(__doc__, {"input": "data/tokenize", "output": "data/pretrain"}, argv)
-    cfg = config.load(Config, STAGE, args.params, overrides)
+    args, cfg = stage.setup(__doc__, STAGE, Config, {"input": "data/tokenize", "output": "data/pretrain"}, argv)
     inp, output = Path(args.input), Path(args.output)
     meta_in = check_input(inp)
-    rt = dist.init()
-    stop = dist.handle_sigterm()
-    try:
-        lcfg = loop_config(cfg)
-        try:
-            loop.grad_accum_steps(lcfg, rt.world_size)
-        except ValueError as e:
-            raise config.UserError(f"params.yaml: pretrain.{e}") from None
-        out = run(cfg, lcfg, inp, output, meta_in, rt, stop)
-    finally:
-        dist.teardown()
-    if out["stopped"]:
-        raise SystemExit(143)  # preempted: a checkpoint holds the progress; re-running resumes from it
-    val = out["final_val_loss"]
-    dist.print0(
-        f"pretrain: {out['parameters'] / 1e6:.2f}M parameters, {out['step']} steps, train loss "
-        f"{out['final_train_loss']:.4f}, val loss {'-' if val is None else f'{val:.4f}'} -> {output}",
-        rt=rt,
-    )
-    return out
+    return stage.launch(STAGE, lambda rt, stop: run(cfg, inp, output, meta_in, rt, stop), train=cfg.train)
 
 
 if __name__ == "__main__":
-    config.run(main)
+    stage.entry(main)

@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.common import ckpt, config, dist, track
+from stages.common import atomic, ckpt, config, runtime, stage, track
 
 STAGE = "report"
 ROW_FIELDS = (
@@ -171,10 +171,10 @@ def render_markdown(doc: dict) -> str:
         lines += [f"### {label}", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {fmt(v)} |" for k, v in sorted(track.flatten(metrics).items())]
         lines.append("")
-    for stage, items in doc["comparisons"].items():
+    for name, items in doc["comparisons"].items():
         flat = {item: track.flatten(metrics) for item, metrics in items.items()}
         keys = sorted(set.intersection(*(set(m) for m in flat.values())))
-        lines += [f"## Comparison: {stage}", "", "| metric | " + " | ".join(flat) + " |", "|---|" + "---|" * len(flat)]
+        lines += [f"## Comparison: {name}", "", "| metric | " + " | ".join(flat) + " |", "|---|" + "---|" * len(flat)]
         lines += [f"| {k} | " + " | ".join(fmt(m[k]) for m in flat.values()) + " |" for k in keys]
         lines.append("")
     if doc["plots"]:
@@ -310,11 +310,10 @@ def comparisons(stage_metrics: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    args, overrides = config.parse_cli(__doc__, {"output": "reports", "inputs": []}, argv)
-    cfg = config.load(Config, STAGE, args.params, overrides)
+    args, cfg = stage.setup(__doc__, STAGE, Config, {"output": "reports", "inputs": []}, argv)
     inputs = [Path(p) for p in args.inputs]
-    rt = dist.init()
-    try:
+
+    def body(rt, stop):
         doc = None
         if rt.is_main:
             metric_files = [p / "metrics.json" for p in inputs if (p / "metrics.json").is_file()]
@@ -324,8 +323,8 @@ def main(argv=None) -> dict:
                     doc["stage_metrics"], config.read_yaml(args.params), cfg, doc["git_commit"]
                 )
                 output = Path(args.output)
-                with ckpt.atomic_dir(output) as tmp:
-                    ckpt.write_json(tmp / "results.json", doc)
+                with atomic.folder(output) as tmp:
+                    atomic.write_json(tmp / "results.json", doc)
                     (tmp / "results.md").write_text(render_markdown(doc), encoding="utf-8")
                 passed = [r["pass"] for r in doc["rows"]]
                 regressed = [r["pass"] for r in doc["regression"]["rows"]]
@@ -347,10 +346,10 @@ def main(argv=None) -> dict:
             failed = [r["result"] for r in doc["rows"] + doc["regression"]["rows"] if r["pass"] is False]
             if cfg.strict and failed:
                 raise config.UserError(f"report: outside tolerance: {', '.join(failed)} (report.strict is true)")
-        return dist.broadcast_object(doc)
-    finally:
-        dist.teardown()
+        return runtime.broadcast_object(doc)
+
+    return stage.launch(STAGE, body)
 
 
 if __name__ == "__main__":
-    config.run(main)
+    stage.entry(main)

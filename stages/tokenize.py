@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.common import ckpt, config, dist, shards, track
+from stages.common import atomic, config, runtime, shards, stage, track
 
 STAGE = "tokenize"
 SPLITS = ("train", "val", "test")
@@ -179,15 +179,15 @@ def encode_range(tok, txt: Path, doc_ends: set[int], start: int, end: int, out: 
     return counts
 
 
-def tokenize(cfg: Config, inp: Path, output: Path, rt: dist.Runtime, tracker: track.Tracker) -> dict:
+def tokenize(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime, tracker: track.Tracker) -> dict:
     corpus = inp / "corpus"
-    with ckpt.atomic_dir(output, rt) as tmp:
+    with atomic.folder(output, rt) as tmp:
         t0 = time.perf_counter()
         if rt.is_main:
             tok = train_tokenizer(corpus, cfg, show_progress=os.isatty(2))
             save_hf_tokenizer(tok, tmp / "tokenizer")
             tok.save(str(tmp / ".tokenizer.json"))
-        dist.barrier()
+        runtime.barrier()
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(tmp / ".tokenizer.json"))
@@ -198,7 +198,7 @@ def tokenize(cfg: Config, inp: Path, output: Path, rt: dist.Runtime, tracker: tr
         t1 = time.perf_counter()
         parts = {}
         total = sum((corpus / f"{s}.txt").stat().st_size for s in SPLITS)
-        with dist.progress(total=total, unit="B", unit_scale=True, desc="tokenize", rt=rt) as bar:
+        with runtime.progress(total=total, unit="B", unit_scale=True, desc="tokenize", rt=rt) as bar:
             for split in SPLITS:
                 txt = corpus / f"{split}.txt"
                 offsets = np.load(corpus / f"{split}.docs.npy")
@@ -206,8 +206,8 @@ def tokenize(cfg: Config, inp: Path, output: Path, rt: dist.Runtime, tracker: tr
                 start, end = line_range(txt, rt.rank, rt.world_size)
                 part = tmp / f".part-{split}-{rt.rank:05d}"
                 parts[split] = encode_range(tok, txt, doc_ends, start, end, part, cfg, bar)
-        encode_s = max(dist.gather_objects(time.perf_counter() - t1))
-        all_parts = dist.gather_objects(parts)
+        encode_s = max(runtime.gather_objects(time.perf_counter() - t1))
+        all_parts = runtime.gather_objects(parts)
 
         meta = None
         if rt.is_main:
@@ -230,7 +230,7 @@ def tokenize(cfg: Config, inp: Path, output: Path, rt: dist.Runtime, tracker: tr
                 counts = {k: sum(p[split][k] for p in all_parts) for k in ("tokens", "bytes", "words", "documents")}
                 meta["splits"][split] = {**counts, "shards": writer.close()}
             (tmp / ".tokenizer.json").unlink()
-            ckpt.write_json(tmp / "meta.json", meta)
+            atomic.write_json(tmp / "meta.json", meta)
             n_tokens = sum(s["tokens"] for s in meta["splits"].values())
             metrics = {
                 "vocab_size": vocab,
@@ -240,36 +240,34 @@ def tokenize(cfg: Config, inp: Path, output: Path, rt: dist.Runtime, tracker: tr
                 **{f"{s}_{k}": v for s, d in meta["splits"].items() for k, v in d.items() if k != "shards"},
                 **{f"{s}_bytes_per_token": d["bytes"] / max(d["tokens"], 1) for s, d in meta["splits"].items()},
             }
-            ckpt.write_json(tmp / "metrics.json", metrics)
+            atomic.write_json(tmp / "metrics.json", metrics)
             tracker.log_metrics(metrics)
     if rt.is_main:
         tracker.log_artifact(output / "tokenizer", "tokenizer")
         tracker.log_artifact(output / "meta.json")
-    return dist.broadcast_object(meta)
+    return runtime.broadcast_object(meta)
+
+
+def run(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime) -> dict:
+    # The tokenizers thread pool would otherwise claim every core in every process.
+    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // rt.local_world_size)))
+    with stage.tracked(STAGE, cfg, [inp / "corpus"], rt) as (tracker, _):
+        meta = tokenize(cfg, inp, output, rt, tracker)
+    runtime.print0(
+        "tokenize: "
+        + ", ".join(f"{s} {d['tokens']:,} tokens" for s, d in meta["splits"].items())
+        + f" (vocab {meta['vocab_size']}) -> {output}",
+        rt=rt,
+    )
+    return meta
 
 
 def main(argv=None) -> dict:
-    args, overrides = config.parse_cli(__doc__, {"input": "data/prepare_data", "output": "data/tokenize"}, argv)
-    cfg = config.load(Config, STAGE, args.params, overrides)
+    args, cfg = stage.setup(__doc__, STAGE, Config, {"input": "data/prepare_data", "output": "data/tokenize"}, argv)
     inp, output = Path(args.input), Path(args.output)
     check_input(inp)
-    rt = dist.init()
-    # The tokenizers thread pool would otherwise claim every core in every process.
-    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // rt.local_world_size)))
-    try:
-        inputs_hash = ckpt.hash_files([inp / "corpus"]) if rt.is_main else ""
-        with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt) as tracker:
-            meta = tokenize(cfg, inp, output, rt, tracker)
-        dist.print0(
-            "tokenize: "
-            + ", ".join(f"{s} {d['tokens']:,} tokens" for s, d in meta["splits"].items())
-            + f" (vocab {meta['vocab_size']}) -> {output}",
-            rt=rt,
-        )
-        return meta
-    finally:
-        dist.teardown()
+    return stage.launch(STAGE, lambda rt, stop: run(cfg, inp, output, rt))
 
 
 if __name__ == "__main__":
-    config.run(main)
+    stage.entry(main)

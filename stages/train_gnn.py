@@ -11,10 +11,10 @@ features as a sparse CSR matrix: dropout and the first layer touch only the non-
 distribution and results as dense, several times faster), and the graph's edges are ordered by
 destination. A saved state_dict loads into the stock PyG layers of the same shape.
 
-`minibatch=true` trains each seed with all ranks together instead: DistributedDataParallel over
-mini-batches from PyG's NeighborLoader where pyg-lib or torch-sparse is installed (`loader=auto`),
-else from RandomNodeLoader (induced subgraphs of random node partitions; pure Python). Evaluation
-runs on the whole graph.
+`minibatch.enabled=true` trains each seed with all ranks together instead: DistributedDataParallel
+over mini-batches from PyG's NeighborLoader where pyg-lib or torch-sparse is installed
+(`minibatch.loader=auto`), else from RandomNodeLoader (induced subgraphs of random node partitions;
+pure Python). Evaluation runs on the whole graph.
 
 Reads data/prepare_data/planetoid/<Name>/raw/ (copied to a private folder: PyG writes processed/ next
 to raw/). Writes data/train_gnn/: metrics.json, results.json (report rows), seeds.json, plots/,
@@ -25,7 +25,7 @@ models/<model>-seed<N>.pt, loaded with stages.models.gnn:
 Run:
     python -m stages.train_gnn --input data/prepare_data --output data/train_gnn [key=value ...]
     torchrun --nproc-per-node 2 -m stages.train_gnn --input data/prepare_data --output data/train_gnn
-    torchrun --nproc-per-node 2 -m stages.train_gnn --input data/prepare_data --output data/train_gnn minibatch=true
+    torchrun --nproc-per-node 2 -m stages.train_gnn minibatch.enabled=true gat.epochs=100
     snakemake --cores all train_gnn           # or: dvc repro train_gnn
 """
 
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stages.common import ckpt, config, dist, sources, track
+from stages.common import atomic, config, runtime, sources, stage, track
 from stages.models.gnn import build_model
 
 STAGE = "train_gnn"
@@ -54,6 +54,91 @@ PUBLISHED = {
     "gcn": {"Cora": 81.5, "CiteSeer": 70.3, "PubMed": 79.0},
     "gat": {"Cora": 83.0, "CiteSeer": 72.5, "PubMed": 79.0},
 }
+
+
+def _at_least_one(section, *keys: str) -> None:
+    for key in keys:
+        if getattr(section, key) < 1:
+            raise ValueError(f"{key} must be >= 1, got {getattr(section, key)}")
+
+
+def _dropout(section) -> None:
+    if not 0 <= section.dropout < 1:
+        raise ValueError(f"dropout must be in [0, 1), got {section.dropout}")
+
+
+@dataclass(frozen=True)
+class GCNConfig:
+    """GCN (Kipf & Welling 2017): two GCNConv layers, ReLU between them."""
+
+    hidden: int
+    """Hidden features (the paper's 16)."""
+    dropout: float
+    """Dropout of both layers' inputs."""
+    lr: float
+    """Adam learning rate."""
+    weight_decay: float
+    """L2 penalty of the first layer (the paper's; the output layer has none)."""
+    epochs: int
+    """Training epochs; the one with the best validation accuracy is kept."""
+
+    def __post_init__(self):
+        _at_least_one(self, "hidden", "epochs")
+        _dropout(self)
+
+
+@dataclass(frozen=True)
+class GATConfig:
+    """GAT (Velickovic et al. 2018): two GATConv layers, ELU between them."""
+
+    hidden: int
+    """Hidden features summed over heads: 64 = 8 heads x 8."""
+    heads: int
+    """Attention heads of the first layer, concatenated; must divide `hidden`."""
+    output_heads: int
+    """Attention heads of the output layer, averaged; 0 = the paper's (8 for PubMed, else 1)."""
+    dropout: float
+    """Dropout of both layers' inputs and of the attention coefficients."""
+    lr: float
+    """Adam learning rate."""
+    weight_decay: float
+    """L2 penalty of all parameters."""
+    epochs: int
+    """Training epochs; the one with the best validation accuracy is kept."""
+
+    def __post_init__(self):
+        _at_least_one(self, "hidden", "heads", "epochs")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"hidden ({self.hidden}) must be divisible by heads ({self.heads}): "
+                f"each head gets hidden / heads features"
+            )
+        if self.output_heads < 0:
+            raise ValueError(f"output_heads must be >= 0, got {self.output_heads}")
+        _dropout(self)
+
+
+@dataclass(frozen=True)
+class MinibatchConfig:
+    """DDP mini-batch training (instead of full-graph training, one seed per rank)."""
+
+    enabled: bool
+    """false: full-graph training, seeds split across ranks; true: DDP mini-batch training, all ranks per seed."""
+    loader: str
+    """Mini-batch loader: auto (neighbor with pyg-lib or torch-sparse, else random_node) | neighbor | random_node."""
+    parts: int
+    """random_node: node partitions per epoch over all ranks (each batch is one partition's induced subgraph)."""
+    neighbors: tuple[int, ...]
+    """neighbor: neighbours sampled per layer."""
+    batch_size: int
+    """neighbor: training (seed) nodes per batch."""
+
+    def __post_init__(self):
+        if self.loader not in LOADERS:
+            raise ValueError(f"loader: unknown loader {self.loader!r}; valid: {', '.join(LOADERS)}")
+        _at_least_one(self, "parts", "batch_size")
+        if not self.neighbors or min(self.neighbors) < 1:
+            raise ValueError(f"neighbors must be a non-empty list of counts >= 1, got {list(self.neighbors)}")
 
 
 @dataclass(frozen=True)
@@ -70,32 +155,12 @@ class Config:
     """Torch threads per process; fixed so that results do not depend on the number of processes."""
     tolerance: float
     """Accepted distance (accuracy points) from the published figure in the report."""
-    gcn_hidden: int
-    gcn_dropout: float
-    gcn_lr: float
-    gcn_weight_decay: float
-    """L2 penalty of the first layer (the paper's; the output layer has none)."""
-    gcn_epochs: int
-    gat_hidden: int
-    """Hidden features summed over heads: 64 = 8 heads x 8."""
-    gat_heads: int
-    gat_output_heads: int
-    """Attention heads of the output layer, averaged; 0 = the paper's (8 for PubMed, else 1)."""
-    gat_dropout: float
-    """Dropout of both layers' inputs and of the attention coefficients."""
-    gat_lr: float
-    gat_weight_decay: float
-    gat_epochs: int
-    minibatch: bool
-    """false: full-graph training, seeds split across ranks; true: DDP mini-batch training, all ranks per seed."""
-    loader: str
-    """Mini-batch loader: auto (neighbor with pyg-lib or torch-sparse, else random_node) | neighbor | random_node."""
-    minibatch_parts: int
-    """random_node: node partitions per epoch over all ranks (each batch is one partition's induced subgraph)."""
-    minibatch_neighbors: tuple[int, ...]
-    """neighbor: neighbours sampled per layer."""
-    minibatch_batch_size: int
-    """neighbor: training (seed) nodes per batch."""
+    gcn: GCNConfig
+    """GCN hyperparameters (the paper's)."""
+    gat: GATConfig
+    """GAT hyperparameters (the paper's for Cora and CiteSeer)."""
+    minibatch: MinibatchConfig
+    """Mini-batch training with DistributedDataParallel (off: the papers' full-graph training)."""
 
     def __post_init__(self):
         if self.dataset not in DATASETS:
@@ -103,31 +168,7 @@ class Config:
         bad = [m for m in self.models if m not in MODELS]
         if bad or not self.models:
             raise ValueError(f"models: unknown model {bad[0] if bad else None!r}; valid: {', '.join(MODELS)}")
-        if self.loader not in LOADERS:
-            raise ValueError(f"loader: unknown loader {self.loader!r}; valid: {', '.join(LOADERS)}")
-        for key in (
-            "seeds",
-            "threads",
-            "gcn_hidden",
-            "gcn_epochs",
-            "gat_hidden",
-            "gat_heads",
-            "gat_epochs",
-            "minibatch_parts",
-            "minibatch_batch_size",
-        ):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.gat_hidden % self.gat_heads:
-            raise ValueError(
-                f"gat_hidden ({self.gat_hidden}) must be divisible by gat_heads ({self.gat_heads}): "
-                f"each head gets gat_hidden / gat_heads features"
-            )
-        for key in ("gcn_dropout", "gat_dropout"):
-            if not 0 <= getattr(self, key) < 1:
-                raise ValueError(f"{key} must be in [0, 1), got {getattr(self, key)}")
-        if self.gat_output_heads < 0 or not self.minibatch_neighbors or min(self.minibatch_neighbors) < 1:
-            raise ValueError("gat_output_heads must be >= 0 and minibatch_neighbors a non-empty list of counts >= 1")
+        _at_least_one(self, "seeds", "threads")
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -176,23 +217,11 @@ def neighbor_loader_available() -> bool:
 
 # -------------------------------------------------------------------------------------------- model
 def model_kwargs(kind: str, cfg: Config, num_features: int, num_classes: int) -> dict:
+    kwargs = dict(in_channels=num_features, hidden=getattr(cfg, kind).hidden, out_channels=num_classes)
     if kind == "gcn":
-        return dict(
-            in_channels=num_features,
-            hidden=cfg.gcn_hidden,
-            out_channels=num_classes,
-            dropout=cfg.gcn_dropout,
-            cached=not cfg.minibatch,
-        )
-    output_heads = cfg.gat_output_heads or (8 if cfg.dataset == "PubMed" else 1)
-    return dict(
-        in_channels=num_features,
-        hidden=cfg.gat_hidden,
-        out_channels=num_classes,
-        dropout=cfg.gat_dropout,
-        heads=cfg.gat_heads,
-        output_heads=output_heads,
-    )
+        return dict(kwargs, dropout=cfg.gcn.dropout, cached=not cfg.minibatch.enabled)
+    output_heads = cfg.gat.output_heads or (8 if cfg.dataset == "PubMed" else 1)
+    return dict(kwargs, dropout=cfg.gat.dropout, heads=cfg.gat.heads, output_heads=output_heads)
 
 
 def make_optimizer(kind: str, model: torch.nn.Module, cfg: Config, fused: bool = True) -> torch.optim.Optimizer:
@@ -200,13 +229,13 @@ def make_optimizer(kind: str, model: torch.nn.Module, cfg: Config, fused: bool =
     if kind == "gcn":  # weight decay on the first layer only, as in the paper
         return torch.optim.Adam(
             [
-                dict(params=model.conv1.parameters(), weight_decay=cfg.gcn_weight_decay),
+                dict(params=model.conv1.parameters(), weight_decay=cfg.gcn.weight_decay),
                 dict(params=model.conv2.parameters(), weight_decay=0.0),
             ],
-            lr=cfg.gcn_lr,
+            lr=cfg.gcn.lr,
             fused=fused,
         )
-    return torch.optim.Adam(model.parameters(), lr=cfg.gat_lr, weight_decay=cfg.gat_weight_decay, fused=fused)
+    return torch.optim.Adam(model.parameters(), lr=cfg.gat.lr, weight_decay=cfg.gat.weight_decay, fused=fused)
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -232,19 +261,18 @@ def evaluate(model, x, edge_index, y, val_index, test_index) -> tuple[float, flo
     return val_acc, val_loss, 100.0 * (test_out.argmax(-1) == y[test_index]).float().mean().item()
 
 
-def minibatches(data, cfg: Config, rt: dist.Runtime, seed: int, epoch: int):
+def minibatches(data, cfg: Config, rt: runtime.Runtime, seed: int, epoch: int):
     """This rank's batches for one epoch, each with `seed_index`: the nodes whose loss counts. Every rank
     gets the same number of batches (DDP needs matching steps)."""
-    if cfg.loader == "neighbor" or (cfg.loader == "auto" and neighbor_loader_available()):
+    mb = cfg.minibatch
+    if mb.loader == "neighbor" or (mb.loader == "auto" and neighbor_loader_available()):
         from torch_geometric.loader import NeighborLoader
 
         train = data.train_mask.nonzero().view(-1)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
         share = len(train) // rt.world_size
         mine = train[order[rt.rank * share : (rt.rank + 1) * share]]
-        for batch in NeighborLoader(
-            data, num_neighbors=list(cfg.minibatch_neighbors), input_nodes=mine, batch_size=cfg.minibatch_batch_size
-        ):
+        for batch in NeighborLoader(data, num_neighbors=list(mb.neighbors), input_nodes=mine, batch_size=mb.batch_size):
             batch.seed_index = torch.arange(batch.batch_size)
             yield batch
         return
@@ -253,20 +281,22 @@ def minibatches(data, cfg: Config, rt: dist.Runtime, seed: int, epoch: int):
 
     sampler = DistributedSampler(range(data.num_nodes), num_replicas=rt.world_size, rank=rt.rank, seed=seed)
     sampler.set_epoch(epoch)
-    for batch in RandomNodeLoader(data, num_parts=cfg.minibatch_parts, sampler=sampler):
+    for batch in RandomNodeLoader(data, num_parts=mb.parts, sampler=sampler):
         batch.seed_index = batch.train_mask.nonzero().view(-1)
         yield batch
 
 
-def train_seed(kind: str, data, cfg: Config, seed: int, rt: dist.Runtime) -> dict:
-    """Train one model from `seed`; returns the best-validation epoch's figures, curves and weights."""
+def train_seed(kind: str, data, cfg: Config, seed: int, rt: runtime.Runtime, stop=None) -> dict:
+    """Train one model from `seed`; returns the best-validation epoch's figures, curves and weights.
+    A set `stop` flag (runtime.handle_signals) raises runtime.Stopped before the next epoch; in
+    mini-batch mode the ranks agree on it, so that they stop at the same epoch."""
     device = rt.device
     kwargs = model_kwargs(kind, cfg, data.num_features, int(data.y.max()) + 1)
     torch.manual_seed(seed)
     model = build_model(kind, **kwargs).to(device)
     optimizer = make_optimizer(kind, model, cfg)
     trained = model
-    if cfg.minibatch and rt.distributed:
+    if cfg.minibatch.enabled and rt.distributed:
         from torch.nn.parallel import DistributedDataParallel
 
         trained = DistributedDataParallel(model)
@@ -274,11 +304,12 @@ def train_seed(kind: str, data, cfg: Config, seed: int, rt: dist.Runtime) -> dic
     train_index, val_index, test_index = (
         m.nonzero().view(-1).to(device) for m in (data.train_mask, data.val_mask, data.test_mask)
     )
-    epochs = cfg.gcn_epochs if kind == "gcn" else cfg.gat_epochs
     curves = {"train_loss": [], "val_acc": [], "val_loss": [], "test_acc": []}
     best, best_state, t0 = None, None, time.perf_counter()
-    for epoch in range(epochs):
-        if cfg.minibatch:
+    for epoch in range(getattr(cfg, kind).epochs):
+        if stop is not None and (runtime.any_rank(bool(stop)) if cfg.minibatch.enabled else stop):
+            raise runtime.Stopped
+        if cfg.minibatch.enabled:
             losses = [
                 train_step(
                     trained,
@@ -312,7 +343,7 @@ def train_seed(kind: str, data, cfg: Config, seed: int, rt: dist.Runtime) -> dic
 
 # ------------------------------------------------------------------------------------------- outputs
 def summarize(results: list[dict], cfg: Config) -> dict:
-    out = {"dataset": cfg.dataset, "seeds": cfg.seeds, "minibatch": cfg.minibatch}
+    out = {"dataset": cfg.dataset, "seeds": cfg.seeds, "minibatch": cfg.minibatch.enabled}
     for kind in cfg.models:
         rows = [r for r in results if r["model"] == kind]
         test = [r["test_acc"] for r in rows]
@@ -364,7 +395,7 @@ def plot_accuracy(results: list[dict], summary: dict, cfg: Config, path: Path) -
             color="black",
             capsize=4,
         )
-        if not cfg.minibatch:
+        if not cfg.minibatch.enabled:
             seed_ax.scatter(
                 i + 0.3,
                 PUBLISHED[kind][cfg.dataset],
@@ -407,85 +438,84 @@ def log_curves(tracker: track.Tracker, results: list[dict], cfg: Config) -> None
         client.log_batch(tracker.run_id, metrics=points[i : i + 1000])
 
 
-def run(cfg: Config, inp: Path, output: Path, rt: dist.Runtime, tracker: track.Tracker, t_start: float) -> dict:
-    data = load_planetoid(inp, cfg.dataset)
-    seeds = range(cfg.first_seed, cfg.first_seed + cfg.seeds)
-    tasks = [(kind, seed) for kind in cfg.models for seed in seeds]
-    if not cfg.minibatch:  # one task per process at a time, dealt round-robin
-        tasks = tasks[rt.rank :: rt.world_size]
-    mine = []
-    for kind, seed in dist.progress(tasks, rt=rt, desc="train_gnn", unit="run"):
-        mine.append(train_seed(kind, data, cfg, seed, rt))
-    weights = {(r["model"], r["seed"]): (r.pop("kwargs"), r.pop("state_dict")) for r in mine}
-    gathered = [r for part in dist.gather_objects(mine) for r in part]
-    results = sorted(
-        {(r["model"], r["seed"]): r for r in gathered}.values(), key=lambda r: (cfg.models.index(r["model"]), r["seed"])
-    )
+def save_outputs(
+    tmp: Path, cfg: Config, results: list[dict], weights: dict, rt: runtime.Runtime, t_start: float
+) -> dict:
+    """Rank 0 writes the output folder into `tmp`; returns metrics.json's contents."""
     summary = summarize(results, cfg)
-    with ckpt.atomic_dir(output, rt) as tmp:
-        (tmp / "models").mkdir(exist_ok=True)
-        if not cfg.minibatch or rt.is_main:  # each rank saves the seeds it trained
-            for (kind, seed), (kwargs, state) in weights.items():
-                torch.save(
-                    {
-                        "model": kind,
-                        "kwargs": kwargs,
-                        "state_dict": state,
-                        "dataset": cfg.dataset,
-                        "seed": seed,
-                        "config": config.as_dict(cfg),
-                    },
-                    tmp / "models" / f"{kind}-seed{seed}.pt",
-                )
-        if rt.is_main:
-            ckpt.write_json(tmp / "seeds.json", [{k: v for k, v in r.items() if k != "curves"} for r in results])
-            if not cfg.minibatch:
-                ckpt.write_json(tmp / "results.json", result_rows(summary, cfg))
-            plot_accuracy(results, summary, cfg, tmp / "plots" / "accuracy.png")
-            summary["world_size"] = rt.world_size
-            summary["wall_s"] = time.perf_counter() - t_start
-            ckpt.write_json(tmp / "metrics.json", summary)
-    if rt.is_main:
-        tracker.log_metrics(
+    (tmp / "models").mkdir()
+    for (kind, seed), (kwargs, state) in weights.items():
+        torch.save(
             {
-                "wall_s": summary["wall_s"],
-                **{f"{kind}_{key}": value for kind in cfg.models for key, value in summary[kind].items()},
-            }
+                "model": kind,
+                "kwargs": kwargs,
+                "state_dict": state,
+                "dataset": cfg.dataset,
+                "seed": seed,
+                "config": config.as_dict(cfg),
+            },
+            tmp / "models" / f"{kind}-seed{seed}.pt",
         )
-        log_curves(tracker, results, cfg)
-        for name in ("metrics.json", "seeds.json", "plots", "models"):
-            tracker.log_artifact(output / name, name if name in ("plots", "models") else None)
-    return {"summary": dist.broadcast_object(summary), "seeds": results}
+    atomic.write_json(tmp / "seeds.json", [{k: v for k, v in r.items() if k != "curves"} for r in results])
+    if not cfg.minibatch.enabled:
+        atomic.write_json(tmp / "results.json", result_rows(summary, cfg))
+    plot_accuracy(results, summary, cfg, tmp / "plots" / "accuracy.png")
+    summary["world_size"] = rt.world_size
+    summary["wall_s"] = time.perf_counter() - t_start
+    atomic.write_json(tmp / "metrics.json", summary)
+    return summary
+
+
+def run(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime, stop: runtime.StopFlag, t_start: float) -> dict:
+    torch.set_num_threads(cfg.threads)
+    with stage.tracked(STAGE, cfg, raw_files(inp, cfg.dataset), rt) as (tracker, _):
+        data = load_planetoid(inp, cfg.dataset)
+        seeds = range(cfg.first_seed, cfg.first_seed + cfg.seeds)
+        tasks = [(kind, seed) for kind in cfg.models for seed in seeds]
+        if not cfg.minibatch.enabled:  # one task per process at a time, dealt round-robin
+            tasks = tasks[rt.rank :: rt.world_size]
+        mine = []
+        for kind, seed in runtime.progress(tasks, rt=rt, desc="train_gnn", unit="run"):
+            mine.append(train_seed(kind, data, cfg, seed, rt, stop))
+        # Every rank's runs, weights included, on every rank (mini-batch: each rank has each run; the last wins).
+        gathered = {(r["model"], r["seed"]): r for part in runtime.gather_objects(mine) for r in part}
+        keys = sorted(gathered, key=lambda key: (cfg.models.index(key[0]), key[1]))
+        weights = {key: (gathered[key].pop("kwargs"), gathered[key].pop("state_dict")) for key in keys}
+        results = [gathered[key] for key in keys]
+        summary = stage.publish(output, rt, lambda tmp: save_outputs(tmp, cfg, results, weights, rt, t_start))
+        if rt.is_main:
+            tracker.log_metrics(
+                {
+                    "wall_s": summary["wall_s"],
+                    **{f"{kind}_{key}": value for kind in cfg.models for key, value in summary[kind].items()},
+                }
+            )
+            log_curves(tracker, results, cfg)
+            for name in ("metrics.json", "seeds.json", "plots", "models"):
+                tracker.log_artifact(output / name, name if name in ("plots", "models") else None)
+    runtime.print0(
+        f"train_gnn: {cfg.dataset}, {cfg.seeds} seeds: "
+        + ", ".join(
+            f"{k.upper()} {summary[k]['test_acc_mean']:.2f} ± {summary[k]['test_acc_std']:.2f}" for k in cfg.models
+        )
+        + f" ({summary['wall_s']:.1f} s) -> {output}",
+        rt=rt,
+    )
+    return {"summary": summary, "seeds": results}
 
 
 def main(argv=None) -> dict:
     t_start = time.perf_counter()
-    args, overrides = config.parse_cli(__doc__, {"input": "data/prepare_data", "output": "data/train_gnn"}, argv)
-    cfg = config.load(Config, STAGE, args.params, overrides)
+    args, cfg = stage.setup(__doc__, STAGE, Config, {"input": "data/prepare_data", "output": "data/train_gnn"}, argv)
     inp, output = Path(args.input), Path(args.output)
     check_input(inp, cfg.dataset)
-    if cfg.minibatch and cfg.loader == "neighbor" and not neighbor_loader_available():
+    if cfg.minibatch.enabled and cfg.minibatch.loader == "neighbor" and not neighbor_loader_available():
         raise config.UserError(
-            "train_gnn.loader is 'neighbor' but NeighborLoader needs pyg-lib or torch-sparse, "
-            "neither of which is installed; use loader=auto or loader=random_node"
+            "train_gnn.minibatch.loader is 'neighbor' but NeighborLoader needs pyg-lib or torch-sparse, "
+            "neither of which is installed; use minibatch.loader=auto or minibatch.loader=random_node"
         )
-    rt = dist.init()
-    torch.set_num_threads(cfg.threads)
-    try:
-        inputs_hash = ckpt.hash_files(raw_files(inp, cfg.dataset)) if rt.is_main else ""
-        with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt) as tracker:
-            out = run(cfg, inp, output, rt, tracker, t_start)
-        s = out["summary"]
-        dist.print0(
-            f"train_gnn: {cfg.dataset}, {cfg.seeds} seeds: "
-            + ", ".join(f"{k.upper()} {s[k]['test_acc_mean']:.2f} ± {s[k]['test_acc_std']:.2f}" for k in cfg.models)
-            + f" ({s['wall_s']:.1f} s) -> {output}",
-            rt=rt,
-        )
-        return out
-    finally:
-        dist.teardown()
+    return stage.launch(STAGE, lambda rt, stop: run(cfg, inp, output, rt, stop, t_start))
 
 
 if __name__ == "__main__":
-    config.run(main)
+    stage.entry(main)

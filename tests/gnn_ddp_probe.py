@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from stages import train_gnn
-from stages.common import dist
+from stages.common import runtime
 from stages.models import gnn
 
 
@@ -30,7 +30,7 @@ def flat(model: torch.nn.Module) -> list[float]:
 
 
 def main(root: str, out: str) -> None:
-    rt = dist.init()
+    rt = runtime.init()
     torch.set_num_threads(1)
     data = train_gnn.load_planetoid(Path(root), "Cora")
     nodes = torch.randperm(data.num_nodes, generator=torch.Generator().manual_seed(0))[rt.rank :: rt.world_size]
@@ -54,12 +54,12 @@ def main(root: str, out: str) -> None:
                 p.grad /= rt.world_size
         torch.optim.SGD(net.parameters(), lr=1.0).step()
 
-    report = dist.gather_objects(
+    report = runtime.gather_objects(
         {"ddp": flat(model), "alone": flat(alone), "averaged": flat(averaged), "train_nodes": len(index)}
     )
     if rt.is_main:
         Path(out).write_text(json.dumps(report))
-    dist.teardown()
+    runtime.teardown()
 
 
 if __name__ == "__main__":

@@ -101,3 +101,49 @@ def test_float_accepts_int_and_lists_become_tuples(tmp_path):
         config.load(Config, "prepare_data", path, ["graphs=[Karate]"])
     with pytest.raises(config.ConfigError, match="prepare_data.val_fraction must be a float, got 'x'"):
         config.load(Config, "prepare_data", path, ["val_fraction=x"])
+
+
+def load_pretrain(overrides=()):
+    from stages.pretrain import Config
+
+    return config.load(Config, "pretrain", ROOT / "params.yaml", overrides)
+
+
+def test_sub_sections_are_typed_and_overridden_by_dotted_paths():
+    cfg = load_pretrain(["train.lr=3e-4", "pretrain.model.n_layers=2", "train.strategy=fsdp"])
+    assert (cfg.train.lr, cfg.model.n_layers, cfg.train.strategy) == (3e-4, 2, "fsdp")
+    default = load_pretrain()
+    assert cfg.train.steps == default.train.steps and cfg.model.hidden_size == default.model.hidden_size
+    assert config.as_dict(cfg)["train"]["lr"] == 3e-4, "as_dict keeps the nesting (MLflow params, checkpoint keys)"
+
+
+def test_a_mapping_field_is_overridden_key_by_key():
+    from stages.extend_context import Config
+
+    cfg = config.load(Config, "extend_context", ROOT / "params.yaml", ["variants.yarn.beta_fast=4"])
+    assert cfg.variants["yarn"] == {"rope_type": "yarn", "beta_fast": 4, "beta_slow": 1}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.lr=fast"], "params.yaml: pretrain.train.lr must be a float, got 'fast'"),
+        (["train.lrr=1"], "unknown key pretrain.train.lrr; valid keys are: activation_checkpointing, batch_size"),
+        (["lr=1"], "unknown key pretrain.lr (did you mean pretrain.train.lr?)"),
+        (["train=3"], "section 'pretrain.train' must be a mapping of keys, got 3"),
+        (["context_length.x=1"], "pretrain.context_length must be an int, got {'x': 1}"),
+        (["train.strategy=zero"], "pretrain.train.strategy: unknown strategy 'zero'; valid: ddp, fsdp"),
+        (["model.n_heads=3"], "pretrain.model.hidden_size must be a multiple of n_heads"),
+        (["train.min_lr=0.1"], "pretrain.train.min_lr must be between 0 and lr (0.001), got 0.1"),
+        (["tokenize.vocab_size=1"], "is for section 'tokenize', not 'pretrain'"),
+    ],
+)
+def test_errors_in_sub_sections_name_the_dotted_key(overrides, message):
+    with pytest.raises(config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
+        load_pretrain(overrides)
+
+
+def test_a_missing_sub_section_key_is_named(tmp_path):
+    text = (ROOT / "params.yaml").read_text().replace("    grad_clip: 1.0             # max global gradient norm\n", "")
+    with pytest.raises(config.ConfigError, match="missing key pretrain.train.grad_clip; add it"):
+        config.load(__import__("stages.pretrain").pretrain.Config, "pretrain", write(tmp_path, text))

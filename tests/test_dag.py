@@ -98,7 +98,7 @@ def test_a_bad_params_key_stops_snakemake_before_any_job(tmp_path):
     leave the pipeline without them. The Snakefile checks every section when it loads instead."""
     repo = copy_repo(tmp_path)
     params = repo / "params.yaml"
-    params.write_text(params.read_text().replace("\n  steps: 300\n", "\n  steps: 300\n  stpes: 30\n", 1))
+    params.write_text(params.read_text().replace("\n  context_length: 256", "\n  context_length: 256\n  stpes: 30", 1))
     (repo / "data/pretrain").mkdir(parents=True)
     (repo / "data/pretrain/meta.json").write_text("{}")
     proc = subprocess.run(["snakemake", "--cores", "1", "data/pretrain"], cwd=repo, capture_output=True, text=True)

@@ -232,7 +232,7 @@ def kill_everything_in(folder: Path) -> int:
 
 def set_pretrain(clone: Path, **values) -> None:
     params = yaml.safe_load((clone / "params.yaml").read_text())
-    params["pretrain"].update(values)
+    params["pretrain"]["train"].update(values)
     (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 

@@ -19,7 +19,7 @@ import torch
 from conftest import ci_params, run_stage
 
 from stages import eval_perplexity, tokenize
-from stages.common import config, dist, shards
+from stages.common import config, runtime, shards
 
 REL = 1e-6
 MAX_POSITIONS = 64
@@ -273,7 +273,7 @@ def test_two_processes_give_the_numbers_of_one(shard_run, assets):
         "plots",
     }
     # The CPU the kernels were chosen for, with the results (meta.json) and on the run.
-    cpu = dist.cpu_info()
+    cpu = runtime.cpu_info()
     assert runs[0].data.tags["cpu_capability"] == cpu["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert runs[0].data.tags["cpu_flags"] == ",".join(cpu["cpu_flags"])
     meta = json.loads((assets / "out/shards2/meta.json").read_text())

@@ -119,7 +119,7 @@ def test_llama3_keeps_short_wavelengths_divides_long_ones_and_blends_between():
         ),
         ("variants={y: {rope_type: yarn, beta: 3}}", "variants.y.beta: not a key of rope_type yarn"),
         ("finetune=[ntk]", "finetune: ntk is not a variant; valid: unscaled, linear, dynamic, yarn, llama3"),
-        ("precision=fp16", "extend_context.precision: unknown precision 'fp16'; valid: auto, fp32, bf16"),
+        ("train.precision=fp16", "extend_context.train.precision: unknown precision 'fp16'; valid: auto, fp32, bf16"),
     ],
 )
 def test_bad_params_are_clear_errors(workdir, override, message):
@@ -174,7 +174,7 @@ def stage_args(tokenized, base, out):
 def test_two_processes_write_every_variant_and_resume_exactly(tokenized, base_model, tmp_path):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    common = ["finetune=[unscaled,linear]", "steps=4", "checkpoint_every=1"]
+    common = ["finetune=[unscaled,linear]", "train.steps=4", "train.checkpoint_every=1"]
     run_stage(
         "extend_context",
         [*stage_args(tokenized, base_model, tmp_path / "a"), *common],

@@ -4,6 +4,7 @@ the loss mask, and errors raised before any compute."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from types import SimpleNamespace
@@ -15,23 +16,23 @@ from conftest import ROOT, loss_curve, run_stage
 
 from stages import finetune_qlora as ft
 from stages import pretrain
-from stages.common import config, dist, instructions, loop
+from stages.common import config, instructions, loop, runtime
 
 PRETRAIN = [
-    "n_layers=2",
-    "hidden_size=64",
-    "n_heads=4",
-    "n_kv_heads=2",
-    "intermediate_size=128",
-    "max_position_embeddings=64",
+    "model.n_layers=2",
+    "model.hidden_size=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.intermediate_size=128",
+    "model.max_position_embeddings=64",
     "context_length=64",
-    "steps=4",
-    "batch_size=8",
-    "micro_batch_size=4",
-    "warmup_steps=1",
-    "eval_every=0",
-    "checkpoint_every=0",
-    "log_every=2",
+    "train.steps=4",
+    "train.batch_size=8",
+    "train.micro_batch_size=4",
+    "train.warmup_steps=1",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+    "train.log_every=2",
 ]
 # Merged weights W + BA against W x + B(A x) in fp32: the same up to rounding.
 MERGE_ATOL = 1e-4
@@ -56,17 +57,17 @@ def monkeypatch_module():
 
 
 TINY = [
-    "steps=4",
-    "batch_size=8",
-    "micro_batch_size=2",
-    "lr=0.01",
-    "warmup_steps=1",
-    "eval_every=2",
-    "checkpoint_every=0",
-    "log_every=2",
-    "lora_r=4",
-    "lora_alpha=8",
-    "lora_dropout=0.0",
+    "train.steps=4",
+    "train.batch_size=8",
+    "train.micro_batch_size=2",
+    "train.lr=0.01",
+    "train.warmup_steps=1",
+    "train.eval_every=2",
+    "train.checkpoint_every=0",
+    "train.log_every=2",
+    "lora.r=4",
+    "lora.alpha=8",
+    "lora.dropout=0.0",
     "seq_length=64",
     "template=short",
     "eval_fraction=0.1",
@@ -96,14 +97,16 @@ def eval_records(root):
     cfg = config.load(ft.Config, ft.STAGE, root / "params.yaml", TINY)
     records = instructions.read_records(root / "data/prepare_data/instructions.jsonl")
     x, y, _ = instructions.encode(records, AutoTokenizer.from_pretrained(cfg.base), cfg.template, cfg.seq_length)
-    _, rows = instructions.split(len(x), cfg.eval_fraction, cfg.seed)
-    return instructions.Records(x[rows], y[rows], cfg.batch_size, cfg.seed), cfg
+    _, rows = instructions.split(len(x), cfg.eval_fraction, cfg.train.seed)
+    return instructions.Records(x[rows], y[rows], cfg.train.batch_size, cfg.train.seed), cfg
 
 
 def eval_loss(model, root) -> float:
     records, cfg = eval_records(root)
-    rt = dist.Runtime(0, 1, 0, 1, torch.device("cpu"))
-    return loop.evaluate(model, records, ft.loop_config(cfg, -(-len(records) // cfg.batch_size)), rt)
+    rt = runtime.Runtime(0, 1, 0, 1, torch.device("cpu"))
+    return loop.evaluate(
+        model, records, dataclasses.replace(cfg.train, eval_batches=-(-len(records) // cfg.train.batch_size)), rt
+    )
 
 
 def test_one_process_trains_and_its_outputs_load_in_peft_and_transformers(base):
@@ -139,7 +142,7 @@ def test_one_process_trains_and_its_outputs_load_in_peft_and_transformers(base):
     assert len(rows) == 1 and abs(rows[0]["ours"] - rows[0]["published"]) <= rows[0]["tolerance"]
     assert (base / "one/plots/loss.png").stat().st_size > 0
     meta = json.loads((base / "one/meta.json").read_text())
-    assert meta["cpu"] == dist.cpu_info() and meta["compute_dtype"] == "torch.float32"
+    assert meta["cpu"] == runtime.cpu_info() and meta["compute_dtype"] == "torch.float32"
 
 
 def test_fsdp_trains_like_one_process_and_resumes_exactly_after_sigkill(base):
@@ -157,11 +160,13 @@ def test_fsdp_trains_like_one_process_and_resumes_exactly_after_sigkill(base):
         reloaded = PeftModel.from_pretrained(load_base(base), base / "whole/adapter").eval()
         assert eval_loss(reloaded, base) == pytest.approx(metrics["eval_loss"], rel=1e-5)
     # SIGKILL while writing the step-3 checkpoint: step-2 is complete; the re-run resumes from it.
-    proc = finetune(base, "resumed", 2, "checkpoint_every=1", check=False, PIPELINE_FAULT_IN_CHECKPOINT="3", **env)
+    proc = finetune(
+        base, "resumed", 2, "train.checkpoint_every=1", check=False, PIPELINE_FAULT_IN_CHECKPOINT="3", **env
+    )
     assert proc.returncode != 0
     kept = sorted(p.name for p in ckpt_root.glob("finetune_qlora/*/*"))
     assert "step-2" in kept and "step-3" not in kept, kept
-    proc = finetune(base, "resumed", 2, "checkpoint_every=1", **env)
+    proc = finetune(base, "resumed", 2, "train.checkpoint_every=1", **env)
     assert "resuming from" in proc.stdout + proc.stderr and "step 2" in proc.stdout + proc.stderr
     np.testing.assert_array_equal(loss_curve(base, "resumed"), loss_curve(base, "whole"))
     from safetensors.torch import load_file
@@ -223,7 +228,7 @@ def test_errors_before_any_compute(base, tmp_path):
     with pytest.raises(config.UserError, match="finetune_qlora.base: .*noweights has no weights"):
         ft.main([*args, f"base={no_weights}"])
     with pytest.raises(config.UserError, match="target_modules: qkv match no linear layer .* q_proj"):
-        ft.main([*args, "target_modules=[q_proj, qkv]"])
+        ft.main([*args, "lora.target_modules=[q_proj, qkv]"])
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n" + json.dumps({"instruction": "c"}) + "\n")
     with pytest.raises(config.UserError, match="bad.jsonl:2: record lacks output"):
@@ -234,7 +239,7 @@ def test_errors_before_any_compute(base, tmp_path):
         ft.main([*args, "seq_length=128"])
     assert not (base / "bad").exists()
     cfg = config.load(ft.Config, ft.STAGE, base / "params.yaml", [*TINY, "quant_storage=uint8"])
-    two = dist.Runtime(0, 2, 0, 2, torch.device("cpu"))
+    two = runtime.Runtime(0, 2, 0, 2, torch.device("cpu"))
     with pytest.raises(
         config.UserError, match="quant_storage=uint8: FSDP cannot shard torch.uint8 .* set quant_storage: auto"
     ):
@@ -272,11 +277,10 @@ def test_step_loss_is_the_mean_over_target_tokens(tmp_path):
         want = loop.lm_loss(model, x, y).item()  # one cross-entropy over all 15 targets
         mean_of_means = (loop.lm_loss(model, x[:1], y[:1]) + loop.lm_loss(model, x[1:], y[1:])).item() / 2
     assert abs(want - mean_of_means) > 1e-3, "the two micro-batches must disagree for this test to mean anything"
-    cfg = loop.LoopConfig(
+    cfg = loop.TrainConfig(
         steps=1,
         batch_size=2,
         micro_batch_size=1,
-        context_length=16,
         lr=1e-3,
         min_lr=0.0,
         warmup_steps=0,
@@ -294,10 +298,10 @@ def test_step_loss_is_the_mean_over_target_tokens(tmp_path):
         seed=0,
         peak_tflops=1.0,
     )
-    rt = dist.Runtime(0, 1, 0, 1, torch.device("cpu"))
+    rt = runtime.Runtime(0, 1, 0, 1, torch.device("cpu"))
     tracker = SimpleNamespace(log_metrics=lambda *a, **k: None)
-    result = loop.train(model, Source(), Source(), cfg, rt, tmp_path / "ckpt", tracker, dist.StopFlag())
-    assert result["history"]["loss"][0] == pytest.approx(want, rel=1e-5)
+    result = loop.train(model, Source(), Source(), cfg, 16, rt, tmp_path / "ckpt", tracker, runtime.StopFlag())
+    assert result.history["loss"][0] == pytest.approx(want, rel=1e-5)
 
 
 def test_gradients_after_a_no_grad_eval_equal_the_dequantized_reference(tmp_path):
@@ -323,7 +327,7 @@ def test_gradients_after_a_no_grad_eval_equal_the_dequantized_reference(tmp_path
             tie_word_embeddings=False,
         )
     ).save_pretrained(tmp_path / "base")
-    overrides = [*TINY, f"base={tmp_path / 'base'}", "seq_length=32", "micro_batch_size=4", "batch_size=4"]
+    overrides = [*TINY, f"base={tmp_path / 'base'}", "seq_length=32", "train.micro_batch_size=4", "train.batch_size=4"]
     cfg = config.load(ft.Config, ft.STAGE, ROOT / "params.yaml", overrides)
     cpu = torch.device("cpu")
     model = ft.add_adapters(ft.load_base(cfg, cpu, quantized=True), cfg)
@@ -339,8 +343,8 @@ def test_gradients_after_a_no_grad_eval_equal_the_dequantized_reference(tmp_path
         def batch(self, step, index, size):
             return x[index : index + size], y[index : index + size]
 
-    lcfg = ft.loop_config(cfg, eval_batches=1)
-    loop.evaluate(model, Source(), lcfg, dist.Runtime(0, 1, 0, 1, cpu))  # model.eval() + no_grad, then train()
+    lcfg = dataclasses.replace(cfg.train, eval_batches=1)
+    loop.evaluate(model, Source(), lcfg, runtime.Runtime(0, 1, 0, 1, cpu))  # model.eval() + no_grad, then train()
     packed = [
         n for n, m in model.named_modules() if getattr(getattr(m, "quant_state", None), "packing_format_for_cpu", False)
     ]

@@ -33,9 +33,9 @@ TINY = [
 
 
 def test_bf16_on_one_gpu_trains_and_saves_a_loadable_model(tokenized):
-    from stages.common import dist
+    from stages.common import runtime
 
-    assert dist.compute_dtype(torch.device("cuda")) == torch.bfloat16
+    assert runtime.compute_dtype(torch.device("cuda")) == torch.bfloat16
     run_stage("pretrain", ["--input", "data/tokenize", "--output", "gpu1", *TINY], cwd=tokenized)
     curve = loss_curve(tokenized, "gpu1")
     assert curve[-1] < curve[0]

@@ -12,25 +12,25 @@ import torch
 from conftest import loss_curve, run_stage
 
 from stages import pretrain
-from stages.common import config
+from stages.common import ckpt, config
 
 TINY = [
-    "n_layers=2",
-    "hidden_size=64",
-    "n_heads=4",
-    "n_kv_heads=2",
-    "intermediate_size=128",
-    "max_position_embeddings=64",
+    "model.n_layers=2",
+    "model.hidden_size=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.intermediate_size=128",
+    "model.max_position_embeddings=64",
     "context_length=64",
-    "steps=8",
-    "batch_size=8",
-    "micro_batch_size=2",
-    "warmup_steps=2",
-    "eval_every=4",
-    "eval_batches=1",
-    "checkpoint_every=0",
-    "log_every=2",
-    "seed=1337",
+    "train.steps=8",
+    "train.batch_size=8",
+    "train.micro_batch_size=2",
+    "train.warmup_steps=2",
+    "train.eval_every=4",
+    "train.eval_batches=1",
+    "train.checkpoint_every=0",
+    "train.log_every=2",
+    "train.seed=1337",
 ]
 # The first losses of TINY on the ci corpus, one process, fp32 CPU (update only for a deliberate change).
 RECORDED_LOSSES = [6.24940824508667, 6.242489337921143, 6.190092086791992, 6.123337268829346]
@@ -58,8 +58,8 @@ def logits(model_dir, ids):
 def test_ddp_fsdp_and_one_process_train_the_same_model(tokenized, monkeypatch):
     monkeypatch.chdir(tokenized)
     single = pretrain.main(["--input", "data/tokenize", "--output", "one", *TINY])
-    run(tokenized, "ddp", 2, "strategy=ddp")
-    run(tokenized, "fsdp", 2, "strategy=fsdp")
+    run(tokenized, "ddp", 2, "train.strategy=ddp")
+    run(tokenized, "fsdp", 2, "train.strategy=fsdp")
     ref = np.array(single["history"]["loss"])
     assert ref[-1] < ref[0] - 0.1, f"loss decreases: {ref}"
     np.testing.assert_allclose(ref[: len(RECORDED_LOSSES)], RECORDED_LOSSES, rtol=1e-5)
@@ -94,15 +94,15 @@ def test_ddp_fsdp_and_one_process_train_the_same_model(tokenized, monkeypatch):
 def test_resume_after_kills_equals_an_uninterrupted_run(tokenized):
     ckpt_root = tokenized / "ckpts"
     env = {"PIPELINE_CHECKPOINTS": str(ckpt_root)}
-    run(tokenized, "whole", 2, "strategy=fsdp", "checkpoint_every=2", **env)
+    run(tokenized, "whole", 2, "train.strategy=fsdp", "train.checkpoint_every=2", **env)
     assert not list(ckpt_root.glob("pretrain/*/step-*")), "a finished run removes its checkpoints"
     # SIGKILL in the middle of writing the step-6 checkpoint: step-2 and step-4 are complete.
     proc = run(
         tokenized,
         "resumed",
         2,
-        "strategy=fsdp",
-        "checkpoint_every=2",
+        "train.strategy=fsdp",
+        "train.checkpoint_every=2",
         check=False,
         PIPELINE_FAULT_IN_CHECKPOINT="6",
         **env,
@@ -110,7 +110,7 @@ def test_resume_after_kills_equals_an_uninterrupted_run(tokenized):
     assert proc.returncode != 0
     kept = sorted(p.name for p in ckpt_root.glob("pretrain/*/*"))
     assert "step-4" in kept and "step-6" not in kept and all(n.startswith(("step-", ".step-")) for n in kept)
-    proc = run(tokenized, "resumed", 2, "strategy=fsdp", "checkpoint_every=2", **env)
+    proc = run(tokenized, "resumed", 2, "train.strategy=fsdp", "train.checkpoint_every=2", **env)
     assert "resuming from" in proc.stdout + proc.stderr and "step 4" in proc.stdout + proc.stderr
     np.testing.assert_array_equal(loss_curve(tokenized, "resumed"), loss_curve(tokenized, "whole"))
     from safetensors.torch import load_file
@@ -139,8 +139,8 @@ def test_sigterm_checkpoints_and_the_rerun_resumes(tokenized):
         "--output",
         "term",
         *TINY,
-        "steps=400",
-        "eval_every=0",
+        "train.steps=400",
+        "train.eval_every=0",
     ]
     log = tokenized / "term.log"
     with open(log, "w") as fh:
@@ -181,9 +181,9 @@ def test_ctrl_c_under_the_launcher_and_torchrun_saves_a_checkpoint(tokenized):
         "--output",
         "int",
         *TINY,
-        "steps=400",
-        "eval_every=0",
-        "checkpoint_every=0",
+        "train.steps=400",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
     ]
     log = tokenized / "int.log"
     with open(log, "w") as fh:
@@ -205,9 +205,8 @@ def test_ctrl_c_under_the_launcher_and_torchrun_saves_a_checkpoint(tokenized):
     assert len(saved) == 1 and not (tokenized / "int").exists()
     step = int(saved[0].name[5:])
     assert 0 < step < 400 and f"stopped by SIGINT after step {step};" in text
-    from stages.common import loop
 
-    assert loop.checkpoint_problem(saved[0]) is None, "the checkpoint is complete and intact"
+    assert ckpt.checkpoint_problem(saved[0]) is None, "the checkpoint is complete and intact"
 
 
 def _stage_processes(folder, output: str) -> list[int]:
@@ -239,7 +238,16 @@ def test_a_second_run_refuses_and_training_dies_with_its_launcher(tokenized):
 
     ckpt_root = tokenized / "ckpts-kill"
     env = stage_env(tokenized, PIPELINE_CHECKPOINTS=str(ckpt_root), PIPELINE_NPROC_PER_NODE="2")
-    args = ["--input", "data/tokenize", "--output", "killed", *TINY, "steps=5000", "eval_every=0", "checkpoint_every=0"]
+    args = [
+        "--input",
+        "data/tokenize",
+        "--output",
+        "killed",
+        *TINY,
+        "train.steps=5000",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+    ]
     log = tokenized / "killed.log"
     with open(log, "w") as fh:
         first = subprocess.Popen(
@@ -274,19 +282,24 @@ def test_a_second_run_refuses_and_training_dies_with_its_launcher(tokenized):
     assert not _stage_processes(tokenized, "killed"), "workers outlived their launcher"
     saved = list(ckpt_root.glob("pretrain/*/step-*"))
     assert len(saved) == 1 and not (tokenized / "killed").exists(), log.read_text()[-3000:]
-    from stages.common import loop
 
-    assert loop.checkpoint_problem(saved[0]) is None
+    assert ckpt.checkpoint_problem(saved[0]) is None
 
 
 @pytest.mark.parametrize(
     "override, message",
     [
-        (["strategy=zero"], "pretrain.strategy: unknown strategy 'zero'; valid: ddp, fsdp"),
-        (["context_length=128"], "context_length \\(128\\) exceeds max_position_embeddings \\(64\\)"),
-        (["compile_mode=fast"], "pretrain.compile_mode: unknown torch.compile mode 'fast'; valid: default, "),
-        (["precision=fp16"], "pretrain.precision: unknown precision 'fp16'; valid: auto, fp32, bf16"),
-        (["batch_size=7"], "batch_size \\(7\\) must be a multiple of micro_batch_size x processes \\(2 x 1\\)"),
+        (["train.strategy=zero"], "pretrain.train.strategy: unknown strategy 'zero'; valid: ddp, fsdp"),
+        (
+            ["context_length=128"],
+            "context_length \\(128\\) must be between 1 and model.max_position_embeddings \\(64\\)",
+        ),
+        (
+            ["train.compile_mode=fast"],
+            "pretrain.train.compile_mode: unknown torch.compile mode 'fast'; valid: default, ",
+        ),
+        (["train.precision=fp16"], "pretrain.train.precision: unknown precision 'fp16'; valid: auto, fp32, bf16"),
+        (["train.batch_size=7"], "batch_size \\(7\\) must be a multiple of micro_batch_size x processes \\(2 x 1\\)"),
     ],
 )
 def test_bad_params_fail_before_training(tokenized, monkeypatch, override, message):
@@ -315,17 +328,17 @@ def test_bad_inputs_fail_before_training(tokenized, tmp_path, monkeypatch):
 
 def test_activation_checkpointing_changes_memory_not_losses(tokenized, monkeypatch):
     monkeypatch.chdir(tokenized)
-    args = ["--input", "data/tokenize", *TINY, "steps=3", "eval_every=0"]
+    args = ["--input", "data/tokenize", *TINY, "train.steps=3", "train.eval_every=0"]
     plain = pretrain.main([*args, "--output", "plain"])["history"]["loss"]
-    recomputed = pretrain.main([*args, "--output", "ac", "activation_checkpointing=true"])["history"]["loss"]
+    recomputed = pretrain.main([*args, "--output", "ac", "train.activation_checkpointing=true"])["history"]["loss"]
     np.testing.assert_allclose(recomputed, plain, rtol=1e-6)
 
 
 def test_compiled_model_and_loss_train_like_eager(tokenized, monkeypatch):
     monkeypatch.chdir(tokenized)
-    args = ["--input", "data/tokenize", *TINY, "steps=3", "eval_every=3"]
+    args = ["--input", "data/tokenize", *TINY, "train.steps=3", "train.eval_every=3"]
     eager = pretrain.main([*args, "--output", "eager"])["history"]
-    compiled = pretrain.main([*args, "--output", "compiled", "compile=true"])["history"]
+    compiled = pretrain.main([*args, "--output", "compiled", "train.compile=true"])["history"]
     # Fused kernels sum in another order: equal to float32 rounding, not bitwise.
     np.testing.assert_allclose(compiled["loss"], eager["loss"], rtol=1e-4)
     np.testing.assert_allclose(compiled["val_loss"], eager["val_loss"], rtol=1e-4)
@@ -343,18 +356,18 @@ def test_bf16_precision_trains_under_autocast_with_fp32_weights(tokenized, monke
     """precision: bf16 on a CPU: autocast in bf16, fp32 master weights; the losses stay near fp32's, and
     meta.json records the dtype and the CPU the kernels ran on (they decide the last digits)."""
     monkeypatch.chdir(tokenized)
-    args = ["--input", "data/tokenize", *TINY, "steps=3", "eval_every=3"]
+    args = ["--input", "data/tokenize", *TINY, "train.steps=3", "train.eval_every=3"]
     fp32 = pretrain.main([*args, "--output", "fp32"])
-    bf16 = pretrain.main([*args, "--output", "bf16", "precision=bf16"])
+    bf16 = pretrain.main([*args, "--output", "bf16", "train.precision=bf16"])
     assert bf16["history"]["loss"] != fp32["history"]["loss"], "bf16 autocast rounds differently"
     np.testing.assert_allclose(bf16["history"]["loss"], fp32["history"]["loss"], rtol=2e-2)
     np.testing.assert_allclose(bf16["history"]["val_loss"], fp32["history"]["val_loss"], rtol=2e-2)
     assert all(p.dtype == torch.float32 for p in bf16["model"].parameters())
-    from stages.common import dist
+    from stages.common import runtime
 
     for out, dtype in (("fp32", "torch.float32"), ("bf16", "torch.bfloat16")):
         meta = json.loads((tokenized / out / "meta.json").read_text())
-        assert meta["compute_dtype"] == dtype and meta["cpu"] == dist.cpu_info()
+        assert meta["compute_dtype"] == dtype and meta["cpu"] == runtime.cpu_info()
         assert meta["cpu"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
@@ -373,7 +386,7 @@ def test_damaged_or_tampered_checkpoints_are_passed_over(tokenized, tmp_path, mo
     the re-run warns naming it and resumes from the older intact one, and trains the uninterrupted model."""
     ckpt_root = tmp_path / "ckpts"
     env = {"PIPELINE_CHECKPOINTS": str(ckpt_root)}
-    args = ("checkpoint_every=2",)
+    args = ("train.checkpoint_every=2",)
     monkeypatch.chdir(tokenized)
     whole = pretrain.main(["--input", "data/tokenize", "--output", str(tmp_path / "whole"), *TINY])["history"]["loss"]
     assert run(tokenized, tmp_path / "out", 1, *args, check=False, PIPELINE_FAULT_IN_CHECKPOINT="6", **env).returncode

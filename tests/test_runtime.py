@@ -11,7 +11,7 @@ import textwrap
 import pytest
 from conftest import ROOT
 
-from stages.common import ckpt, dist
+from stages.common import atomic, ckpt, runtime
 
 
 def test_checkpoint_dir_depends_on_params_and_inputs(tmp_path):
@@ -36,13 +36,13 @@ def test_atomic_dir_replaces_on_success_and_leaves_nothing_on_error(tmp_path):
     final = tmp_path / "out"
     final.mkdir()
     (final / "old").write_text("old")
-    with ckpt.atomic_dir(final) as tmp:
+    with atomic.folder(final) as tmp:
         assert tmp != final and tmp.parent == tmp_path
         (tmp / "new").write_text("new")
         assert (final / "old").exists(), "the old folder stays readable until the rename"
     assert sorted(p.name for p in final.iterdir()) == ["new"]
     with pytest.raises(RuntimeError):
-        with ckpt.atomic_dir(final) as tmp:
+        with atomic.folder(final) as tmp:
             (tmp / "half").write_text("x")
             raise RuntimeError("crash")
     assert sorted(p.name for p in final.iterdir()) == ["new"]
@@ -59,22 +59,22 @@ def test_checkpoints_ignore_half_written(tmp_path):
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, time, torch
     from pathlib import Path
-    from stages.common import ckpt, dist
-    rt = dist.init()
-    stop = dist.handle_sigterm()
+    from stages.common import atomic, runtime
+    rt = runtime.init()
+    stop = runtime.handle_signals()
     assert rt.world_size == 2 and rt.device.type == "cpu"
-    assert dist.gather_objects(rt.rank) == [0, 1]
-    assert dist.broadcast_object("from0" if rt.is_main else None) == "from0"
-    assert dist.all_reduce_sum(torch.tensor([rt.rank + 1.0])).item() == 3.0
+    assert runtime.gather_objects(rt.rank) == [0, 1]
+    assert runtime.broadcast_object("from0" if rt.is_main else None) == "from0"
+    assert runtime.all_reduce_sum(torch.tensor([rt.rank + 1.0])).item() == 3.0
     out = Path(sys.argv[1])
-    with ckpt.atomic_dir(out, rt) as tmp:
+    with atomic.folder(out, rt) as tmp:
         (tmp / f"rank{rt.rank}").write_text("x")
     assert sorted(p.name for p in out.iterdir()) == ["rank0", "rank1"]
     if rt.rank == 1:
         os.kill(os.getpid(), signal.SIGTERM)
-    assert dist.any_rank(bool(stop)), "a SIGTERM on one rank stops every rank"
-    dist.print0("ok", rt=rt)
-    dist.teardown()
+    assert runtime.any_rank(bool(stop)), "a SIGTERM on one rank stops every rank"
+    runtime.print0("ok", rt=rt)
+    runtime.teardown()
 """)
 
 
@@ -101,19 +101,21 @@ def test_runtime_under_torchrun_with_two_processes(tmp_path):
 
 
 def test_single_process_runtime_has_no_group():
-    rt = dist.init()
+    rt = runtime.init()
     assert (rt.rank, rt.world_size, rt.is_main, rt.distributed) == (0, 1, True, False)
-    assert dist.gather_objects(7) == [7] and dist.broadcast_object(3) == 3 and dist.any_rank(False) is False
+    assert runtime.gather_objects(7) == [7] and runtime.broadcast_object(3) == 3 and runtime.any_rank(False) is False
     import torch
 
-    assert dist.compute_dtype(torch.device("cpu")) == torch.float32
+    assert runtime.compute_dtype(torch.device("cpu")) == torch.float32
 
 
 def test_manifest_tells_intact_checkpoints_from_damaged_ones(tmp_path, capsys):
+    import torch
+
     for step in (2, 4):
         (tmp_path / f"step-{step}/state").mkdir(parents=True)
         (tmp_path / f"step-{step}/state/shard.distcp").write_bytes(b"x" * 100)
-        (tmp_path / f"step-{step}/extra.pt").write_bytes(b"y" * 10)
+        torch.save({"step": step}, tmp_path / f"step-{step}/extra.pt")
         ckpt.write_manifest(tmp_path / f"step-{step}")
     assert ckpt.manifest_problem(tmp_path / "step-4") is None
     assert ckpt.newest_intact_checkpoint(tmp_path).name == "step-4"
@@ -130,6 +132,7 @@ def test_manifest_tells_intact_checkpoints_from_damaged_ones(tmp_path, capsys):
     # Written before manifests existed: accepted when DCP's metadata is there, with a warning.
     (tmp_path / "step-6/state").mkdir(parents=True)
     (tmp_path / "step-6/state/.metadata").write_bytes(b"m")
+    torch.save({"step": 6}, tmp_path / "step-6/extra.pt")
     assert ckpt.newest_intact_checkpoint(tmp_path).name == "step-6"
     assert "has no manifest.json (an older version wrote it)" in capsys.readouterr().out
 
@@ -137,8 +140,8 @@ def test_manifest_tells_intact_checkpoints_from_damaged_ones(tmp_path, capsys):
 def test_an_unreachable_tracking_server_is_one_clear_error(tmp_path):
     """MLflow's client retries an unreachable server for minutes; a stage asks once and stops with the URI."""
     code = (
-        "from stages.common import config, dist, track\n"
-        "rt = dist.Runtime(0, 1, 0, 1, None)\n"
+        "from stages.common import config, runtime, track\n"
+        "rt = runtime.Runtime(0, 1, 0, 1, None)\n"
         "try:\n"
         "    with track.start_run('probe', {}, '', rt): print('tracked')\n"
         "except config.UserError as e: print('error:', e)\n"
@@ -163,8 +166,8 @@ def test_a_run_left_running_by_sigkill_is_marked_killed_on_the_next_start(tmp_pa
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     code = (
-        "import os, signal\nfrom stages.common import dist, track\n"
-        "with track.start_run('probe', {}, '', dist.Runtime(0, 1, 0, 1, None)):\n"
+        "import os, signal\nfrom stages.common import runtime, track\n"
+        "with track.start_run('probe', {}, '', runtime.Runtime(0, 1, 0, 1, None)):\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": uri}
@@ -176,6 +179,6 @@ def test_a_run_left_running_by_sigkill_is_marked_killed_on_the_next_start(tmp_pa
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.delenv("PIPELINE_RUN_ID", raising=False)
     monkeypatch.chdir(tmp_path)
-    with track.start_run("probe", {}, "", dist.Runtime(0, 1, 0, 1, None)):
+    with track.start_run("probe", {}, "", runtime.Runtime(0, 1, 0, 1, None)):
         assert client.get_run(killed.info.run_id).info.status == "KILLED"
     assert client.get_run(killed.info.run_id).data.tags["stopped_by"].startswith("killed")

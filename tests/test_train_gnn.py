@@ -4,6 +4,7 @@ layers, DDP gradient synchronization, the mini-batch path, sparse-input equivale
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from stages.common import config
 from stages.models import gnn
 
 ARGS = ["--input", "data/prepare_data", "--output", "data/train_gnn"]
-TINY = ["seeds=3", "gcn_epochs=12", "gat_epochs=6"]  # 3 seeds: ranks get unequal shares
+TINY = ["seeds=3", "gcn.epochs=12", "gat.epochs=6"]  # 3 seeds: ranks get unequal shares
 
 
 def scratch(prepared, root):
@@ -102,6 +103,8 @@ def test_metrics_report_rows_plot_and_mlflow_curves(trained, prepared):
     assert run.info.status == "FINISHED" and run.data.tags["world_size"] == "2"
     assert (
         run.data.params["dataset"] == "Cora"
+        and run.data.params["gat.heads"] == "8"
+        and run.data.params["minibatch.enabled"] == "False"
         and run.data.metrics["gcn_test_acc_mean"] == metrics["gcn"]["test_acc_mean"]
     )
     history = client.get_metric_history(run.info.run_id, "gcn_val_acc")
@@ -142,7 +145,9 @@ def test_ddp_step_synchronizes_gradients_across_ranks(tmp_path, mirror):
 
 def test_minibatch_ddp_trains_on_cora(prepared, tmp_path):
     root = scratch(prepared, tmp_path)
-    run_stage("train_gnn", [*ARGS, "minibatch=true", "models=[gcn]", "seeds=1", "gcn_epochs=40"], cwd=root, nproc=2)
+    run_stage(
+        "train_gnn", [*ARGS, "minibatch.enabled=true", "models=[gcn]", "seeds=1", "gcn.epochs=40"], cwd=root, nproc=2
+    )
     metrics = json.loads((root / "data/train_gnn/metrics.json").read_text())
     assert metrics["minibatch"] and metrics["gcn"]["test_acc_mean"] > 60.0  # chance is ~30% (7 classes)
     assert not (root / "data/train_gnn/results.json").exists(), "no paper rows for the mini-batch setup"
@@ -172,13 +177,23 @@ def test_sparse_input_matches_dense_in_both_passes():
     [
         (["dataset=Karate"], "train_gnn.dataset: unknown dataset 'Karate'; valid: Cora, CiteSeer, PubMed"),
         (["models=[gcn,sage]"], "train_gnn.models: unknown model 'sage'; valid: gcn, gat"),
-        (["gcn_hidden=0"], "train_gnn.gcn_hidden must be >= 1, got 0"),
-        (["gat_hidden=60"], "train_gnn.gat_hidden (60) must be divisible by gat_heads (8)"),
-        (["loader=cluster"], "train_gnn.loader: unknown loader 'cluster'; valid: auto, neighbor, random_node"),
+        (["gcn.hidden=0"], "train_gnn.gcn.hidden must be >= 1, got 0"),
+        (["gcn.dropout=1"], r"train_gnn.gcn.dropout must be in [0, 1), got 1.0"),
+        (["gat.hidden=60"], "train_gnn.gat.hidden (60) must be divisible by heads (8)"),
+        (["train_gnn.gat.heads=3"], "train_gnn.gat.hidden (64) must be divisible by heads (3)"),
+        (["gat.heads=many"], "train_gnn.gat.heads must be an int, got 'many'"),
+        (["gat.output_heads=-1"], "train_gnn.gat.output_heads must be >= 0, got -1"),
+        (
+            ["minibatch.loader=cluster"],
+            "train_gnn.minibatch.loader: unknown loader 'cluster'; valid: auto, neighbor, random_node",
+        ),
+        (["minibatch.neighbors=[]"], "train_gnn.minibatch.neighbors must be a non-empty list of counts >= 1"),
+        (["gcn_hidden=16"], "unknown key train_gnn.gcn_hidden"),
+        (["loader=auto"], "unknown key train_gnn.loader (did you mean train_gnn.minibatch.loader?)"),
     ],
 )
 def test_bad_params_fail_naming_the_key(workdir, overrides, message):
-    with pytest.raises(config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(config.ConfigError, match=re.escape(message)):
         train_gnn.main(["--input", "nowhere", *overrides])
     assert not (workdir / "data").exists() and not (workdir / "mlflow.db").exists()
 
@@ -190,5 +205,29 @@ def test_missing_raw_files_say_where_they_must_be(workdir):
     if not train_gnn.neighbor_loader_available():
         shutil.copytree(MIRROR / "planetoid/Cora", workdir / "in/planetoid/Cora")
         with pytest.raises(config.UserError, match="NeighborLoader needs pyg-lib or torch-sparse"):
-            train_gnn.main(["--input", "in", "minibatch=true", "loader=neighbor"])
+            train_gnn.main(["--input", "in", "minibatch.enabled=true", "minibatch.loader=neighbor"])
     assert not (workdir / "data").exists() and not (workdir / "mlflow.db").exists()
+
+
+def test_sub_sections_load_from_params_and_dotted_overrides_merge_deeply(workdir):
+    cfg = config.load(train_gnn.Config, "train_gnn", "params.yaml", ["gat.lr=0.01", "train_gnn.minibatch.parts=2"])
+    assert (cfg.gat.lr, cfg.gat.heads, cfg.gat.epochs, cfg.gcn.epochs) == (0.01, 8, 20, 30), "ci preset + override"
+    assert (cfg.minibatch.parts, cfg.minibatch.enabled, cfg.minibatch.neighbors) == (2, False, (10, 10))
+    assert config.as_dict(cfg)["gcn"] == {
+        "hidden": 16,
+        "dropout": 0.5,
+        "lr": 0.01,
+        "weight_decay": 0.0005,
+        "epochs": 30,
+    }
+
+
+def test_stop_signal_stops_training_before_the_next_epoch(mirror):
+    from stages.common import runtime
+
+    cfg = config.load(train_gnn.Config, "train_gnn", ROOT / "params.yaml")
+    data = train_gnn.load_planetoid(mirror, "Cora")
+    stop = runtime.StopFlag()
+    stop.requested = True
+    with pytest.raises(runtime.Stopped):
+        train_gnn.train_seed("gcn", data, cfg, 0, runtime.Runtime(0, 1, 0, 1, torch.device("cpu")), stop)

@@ -19,10 +19,36 @@ import hashlib
 import json
 import os
 import shutil
-import uuid
+import signal
 from pathlib import Path
 
-from stages.common import dist
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from transformers.utils import (
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
+
+from stages.common import atomic, runtime
+
+# A Hugging Face model folder holds one of these (single file or sharded), a PEFT adapter folder one of those.
+MODEL_WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+ADAPTER_WEIGHT_FILES = (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
+
+
+def has_weights(folder: str | Path, names=MODEL_WEIGHT_FILES) -> bool:
+    return any((Path(folder) / name).is_file() for name in names)
+
 
 CHECKPOINT_ROOT = Path(os.environ.get("PIPELINE_CHECKPOINTS", "checkpoints"))
 
@@ -58,57 +84,6 @@ def checkpoint_key(params: dict, inputs_hash: str) -> str:
 def checkpoint_dir(stage: str, params: dict, inputs_hash: str, root: str | Path | None = None) -> Path:
     """The one folder this stage may resume from for these params and inputs."""
     return Path(root or CHECKPOINT_ROOT) / stage / checkpoint_key(params, inputs_hash)
-
-
-def _tmp_sibling(final: Path) -> Path:
-    return final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-
-
-@contextlib.contextmanager
-def atomic_dir(final: str | Path, rt: dist.Runtime | None = None):
-    """Yield a temporary folder beside `final`; on success it is renamed to `final` (replacing an old
-    one), on error removed. With a distributed `rt` every rank writes into the same folder (it needs a
-    filesystem shared by the ranks) and rank 0 renames it once all ranks succeeded; with `rt=None` the
-    caller is the only writer."""
-    final = Path(final)
-    collective = rt is not None and rt.distributed
-    tmp = None
-    if rt is None or rt.is_main:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_sibling(final)
-        tmp.mkdir()
-    if collective:
-        tmp = Path(dist.broadcast_object(str(tmp) if tmp else None))
-    ok = False
-    try:
-        yield tmp
-        ok = True
-    finally:
-        all_ok = not dist.any_rank(not ok) if collective else ok
-        if rt is None or rt.is_main:
-            if all_ok:
-                if final.exists():
-                    old = _tmp_sibling(final)
-                    final.rename(old)
-                    shutil.rmtree(old)
-                tmp.rename(final)
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
-        if collective:
-            dist.barrier()
-
-
-def write_text(path: str | Path, text: str) -> None:
-    """Write a text file via a temporary file and rename: readers see the old file or the new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def write_json(path: str | Path, obj) -> None:
-    """Write JSON via a temporary file and rename."""
-    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def checkpoints(folder: str | Path) -> list[Path]:
@@ -151,7 +126,7 @@ def write_manifest(folder: str | Path) -> None:
         for f in sorted(folder.rglob("*"))
         if f.is_file() and f.name != MANIFEST
     }
-    write_json(folder / MANIFEST, files)
+    atomic.write_json(folder / MANIFEST, files)
 
 
 def manifest_problem(folder: str | Path) -> str | None:
@@ -187,12 +162,12 @@ def manifest_problem(folder: str | Path) -> str | None:
     return None
 
 
-def newest_intact_checkpoint(folder: str | Path, problem=manifest_problem) -> Path | None:
+def newest_intact_checkpoint(folder: str | Path) -> Path | None:
     """The newest checkpoint under `folder` for which `problem(path)` finds nothing, or None. Each
     damaged one passed over is named in a warning (it stays on disk for inspection; the next save
     replaces or prunes it)."""
     for path in checkpoints(folder):
-        why = problem(path)
+        why = checkpoint_problem(path)
         if why is None:
             return path
         print(f"warning: not resuming from checkpoint {path}: {why}; trying an older one", flush=True)
@@ -200,7 +175,7 @@ def newest_intact_checkpoint(folder: str | Path, problem=manifest_problem) -> Pa
 
 
 @contextlib.contextmanager
-def exclusive(folder: str | Path, rt: dist.Runtime):
+def exclusive(folder: str | Path, rt: runtime.Runtime):
     """Hold the lock of a checkpoint folder while a run trains into it (rank 0 holds it for all ranks).
     A second run of the same stage, params and inputs (from the other DAG tool, or a launcher's orphans)
     stops on every rank with one clear error instead of resuming from, or writing over, checkpoints in
@@ -232,7 +207,7 @@ def exclusive(folder: str | Path, rt: dist.Runtime):
             )
             if handle is not None:
                 handle.close()
-    problem = dist.broadcast_object(problem)  # every rank stops together
+    problem = runtime.broadcast_object(problem)  # every rank stops together
     if problem:
         from stages.common.config import UserError
 
@@ -248,3 +223,78 @@ def discard(folder: str | Path) -> None:
     """Remove a finished run's checkpoint folder. Its lock file stays: removing it while another process
     waits on it would let a third run lock a new file of the same name beside the second."""
     shutil.rmtree(folder, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------- model and optimizer state
+def _fqn(name: str) -> str:
+    """A parameter name as torch.distributed.checkpoint writes it (no DDP/compile wrapper prefixes)."""
+    return ".".join(part for part in name.split(".") if part not in ("module", "_orig_mod", "_fsdp_wrapped_module"))
+
+
+def state_dicts(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
+    """Model and optimizer state for a checkpoint. With a frozen base only the trainable parameters
+    (quantized bases also put packing statistics in the state dict; those are left out too)."""
+    trainable = {_fqn(n) for n, p in model.named_parameters() if p.requires_grad}
+    frozen = any(not p.requires_grad for p in model.parameters())
+    options = StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else StateDictOptions()
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    if frozen:
+        model_sd = {k: v for k, v in model_sd.items() if k in trainable}
+    return model_sd, optim_sd, options
+
+
+def save_checkpoint(
+    folder: Path, step: int, model, optimizer, history: list, rt: runtime.Runtime, keep: int = 2
+) -> Path:
+    """Sharded model + optimizer state (every rank writes its shard), plus step, loss history and RNG
+    state; published by renaming, so a crash mid-write leaves no `step-*` folder behind."""
+    final = folder / f"step-{step}"
+    model_sd, optim_sd, _ = state_dicts(model, optimizer)
+    with atomic.folder(final, rt) as tmp:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+        if rt.is_main:
+            torch.save({"step": step, "history": history, "torch_rng": torch.get_rng_state()}, tmp / "extra.pt")
+        runtime.barrier()  # every rank's shard is on disk before the manifest records them
+        if rt.is_main:
+            write_manifest(tmp)
+        if os.environ.get("PIPELINE_FAULT_IN_CHECKPOINT") == str(step):
+            os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the resume tests
+    if rt.is_main:
+        done = sorted((p for p in folder.glob("step-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+        for old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    runtime.barrier()
+    return final
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from: files that do not match its manifest (truncated,
+    changed, missing), or an extra.pt that is not plain data. None when it is intact."""
+    problem = manifest_problem(path)
+    if problem is None:
+        try:
+            torch.load(path / "extra.pt", weights_only=True)
+        except Exception as e:  # whatever the unpickler refuses
+            problem = f"extra.pt does not load as plain data ({type(e).__name__})"
+    return problem
+
+
+def load_checkpoint(path: Path, model, optimizer) -> dict:
+    model_sd, optim_sd, options = state_dicts(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path / "state"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    extra = torch.load(path / "extra.pt", weights_only=True)  # data only: a checkpoint never runs code
+    torch.set_rng_state(extra["torch_rng"])
+    return extra
+
+
+def full_state_dict(model, rt: runtime.Runtime, trainable_only: bool = False) -> dict:
+    """The whole model's state on CPU, on rank 0 (gathered from FSDP shards or taken from DDP);
+    with `trainable_only`, just the trainable parameters (the adapters of a frozen base)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    sd = get_model_state_dict(model, options=options)
+    if trainable_only:
+        names = {_fqn(n) for n, p in model.named_parameters() if p.requires_grad}
+        sd = {k: v for k, v in sd.items() if _fqn(k) in names}
+    return {k.removeprefix("_orig_mod."): v for k, v in sd.items()} if rt.is_main else {}

@@ -6,13 +6,15 @@ stop with one message naming the key and what to change, e.g.
 
     params.yaml: tokenize.vocab_size must be an int, got 'big'
 
-`key=value` overrides from the command line are parsed as YAML scalars and checked the same way.
+A field typed by another dataclass is a sub-section, e.g. the `train` section of every training stage
+(loop.TrainConfig); its keys are dotted paths: `pretrain.train.lr`. `key=value` overrides from the
+command line (`train.lr=3e-4`) are parsed as YAML values and checked the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -20,9 +22,25 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
+FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
 
 class UserError(Exception):
     """Bad input a user must fix (params, data, paths); printed as one line, with no traceback."""
+
+
+# The params sections of params.yaml, one per stage: an override naming another one is a mistake.
+STAGE_SECTIONS = (
+    "prepare_data",
+    "tokenize",
+    "pretrain",
+    "extend_context",
+    "eval_perplexity",
+    "finetune_qlora",
+    "train_gnn",
+    "context_study",
+    "report",
+)
 
 
 class ConfigError(UserError, ValueError):
@@ -93,6 +111,9 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return True, float(value)
+        # YAML 1.1 (PyYAML) reads 3e-4, without a dot, as a string; YAML 1.2 and users read a number.
+        if isinstance(value, str) and FLOAT_LITERAL.fullmatch(value.strip()):
+            return True, float(value)
         return False, value
     if tp is str:
         return isinstance(value, str), value
@@ -124,25 +145,42 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     raise TypeError(f"unsupported config field type {tp!r}")
 
 
+def is_section(tp: Any) -> bool:
+    """A field typed by a dataclass is a sub-section (a nested mapping in params.yaml)."""
+    return dataclasses.is_dataclass(tp) and isinstance(tp, type)
+
+
 def build(cls: type, section: str, values: Any, source: str = "params.yaml"):
-    """Check a mapping against the dataclass `cls` and build it."""
+    """Check a mapping against the dataclass `cls` and build it; sub-sections (fields typed by a
+    dataclass) are checked the same way, and every message names the full dotted key."""
     if not isinstance(values, dict):
         raise ConfigError(f"{source}: section '{section}' must be a mapping of keys, got {values!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(f"{source}: unknown key {section}.{unknown[0]}; valid keys are: {', '.join(sorted(fields))}")
+        hint = "".join(
+            f" (did you mean {section}.{name}.{unknown[0]}?)"
+            for name in fields
+            if is_section(hints[name]) and unknown[0] in {f.name for f in dataclasses.fields(hints[name])}
+        )
+        raise ConfigError(
+            f"{source}: unknown key {section}.{unknown[0]}{hint}; valid keys are: {', '.join(sorted(fields))}"
+        )
     kwargs = {}
     for name, field in fields.items():
+        tp = hints[name]
         if name not in values:
             has_default = field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
             if has_default:
                 continue
             raise ConfigError(f"{source}: missing key {section}.{name}; add it to the '{section}' section")
-        ok, conv = _coerce(values[name], hints[name])
+        if is_section(tp):
+            kwargs[name] = build(tp, f"{section}.{name}", values[name], source)
+            continue
+        ok, conv = _coerce(values[name], tp)
         if not ok:
-            raise ConfigError(f"{source}: {section}.{name} must be {_type_name(hints[name])}, got {values[name]!r}")
+            raise ConfigError(f"{source}: {section}.{name} must be {_type_name(tp)}, got {values[name]!r}")
         kwargs[name] = conv
     try:
         return cls(**kwargs)
@@ -151,20 +189,29 @@ def build(cls: type, section: str, values: Any, source: str = "params.yaml"):
 
 
 def parse_overrides(section: str, overrides: list[str]) -> dict:
-    """`key=value` or `<section>.key=value` pairs; values are YAML scalars (`lr=3e-4`, `tags=[a,b]`)."""
-    out = {}
+    """`key=value` pairs as a nested mapping; keys are dotted paths inside the section, optionally
+    prefixed by the section's name (`train.lr=3e-4`, `pretrain.train.lr=3e-4`); values are YAML
+    scalars or flow collections (`lr=3e-4`, `tags=[a,b]`)."""
+    out: dict = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"command line: override '{item}' must look like key=value")
-        if "." in key:
-            prefix, _, key = key.partition(".")
-            if prefix != section:
-                raise ConfigError(f"command line: override '{item}' is for section '{prefix}', not '{section}'")
+        path = key.split(".")
+        if not sep or not all(path):
+            raise ConfigError(f"command line: override '{item}' must look like key=value or sub.key=value")
+        if len(path) > 1 and path[0] == section:
+            path = path[1:]
+        elif len(path) > 1 and path[0] in STAGE_SECTIONS:
+            raise ConfigError(f"command line: override '{item}' is for section '{path[0]}', not '{section}'")
         try:
-            out[key] = yaml.safe_load(raw) if raw != "" else ""
+            value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
-            out[key] = raw
+            value = raw
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"command line: override '{item}' sets a key inside {part}, which is a value")
+        node[path[-1]] = value
     return out
 
 
@@ -177,55 +224,16 @@ def load(cls: type, section: str, params: str | Path = "params.yaml", overrides:
     if overrides:
         if not isinstance(values, dict):
             raise ConfigError(f"{params}: section '{section}' must be a mapping of keys, got {values!r}")
-        values = {**values, **parse_overrides(section, list(overrides))}
+        values = merge(values, parse_overrides(section, list(overrides)))
     return build(cls, section, values, source=str(params))
 
 
 def as_dict(cfg) -> dict:
-    """Plain, JSON-friendly dict of a config (tuples become lists)."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
+    """Plain, JSON-friendly nested dict of a config (sub-sections become mappings, tuples lists)."""
 
+    def plain(value):
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
-def parse_cli(doc: str, paths: dict, argv=None):
-    """The command line every stage shares: path options (name -> default; a list default takes one
-    or more paths), `--params FILE`, and trailing `key=value` overrides of the stage's params section.
-    Returns (args, overrides)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        description=doc.strip().splitlines()[0], epilog="Trailing key=value pairs override the stage's params section."
-    )
-    parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    for name, default in paths.items():
-        many = isinstance(default, list)
-        parser.add_argument(
-            f"--{name.replace('_', '-')}",
-            dest=name,
-            default=default,
-            nargs="+" if many else None,
-            help=f"default: {default}",
-        )
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
-    # Intermixed: overrides may come before, between or after the options.
-    args = parser.parse_intermixed_args(argv)
-    overrides = list(args.overrides)
-    for name, default in paths.items():
-        if isinstance(default, list):
-            # `--inputs a b key=value`: argparse hands the override to --inputs; give it back.
-            values = getattr(args, name)
-            setattr(args, name, [v for v in values if "=" not in v])
-            overrides += [v for v in values if "=" in v]
-    return args, overrides
-
-
-def run(main) -> None:
-    """Entry point of `python -m stages.<name>`: a UserError becomes one line on stderr and exit code 2."""
-    import sys
-
-    try:
-        main()
-    except UserError as e:
-        rank = os.environ.get("RANK", "0")
-        if rank == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    return plain(dataclasses.asdict(cfg))

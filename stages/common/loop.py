@@ -21,24 +21,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
-import shutil
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
 
-from stages.common import ckpt, dist
+from stages.common import ckpt, runtime
 
 STRATEGIES = ("ddp", "fsdp")
 IGNORE_INDEX = -100  # targets that carry no loss
@@ -48,11 +38,15 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 
 @dataclass(frozen=True)
-class LoopConfig:
+class TrainConfig:
+    """The `train` section of every training stage (pretrain, extend_context, finetune_qlora)."""
+
     steps: int
-    batch_size: int  # sequences per optimizer step, over all processes
-    micro_batch_size: int  # sequences per forward pass, per process
-    context_length: int
+    """Optimizer steps."""
+    batch_size: int
+    """Sequences per optimizer step over all processes."""
+    micro_batch_size: int
+    """Sequences per forward pass per process; accumulation = batch_size / (micro_batch_size x processes)."""
     lr: float
     min_lr: float
     warmup_steps: int
@@ -61,19 +55,37 @@ class LoopConfig:
     beta2: float
     grad_clip: float
     strategy: str
+    """ddp | fsdp (FSDP2 fully_shard per decoder layer, then the root)."""
     activation_checkpointing: bool
-    compile: bool
     eval_every: int
     eval_batches: int
     checkpoint_every: int
     log_every: int
     seed: int
     peak_tflops: float
-    compile_mode: str = "default"  # with compile: the torch.compile mode, one of COMPILE_MODES
-    precision: str = "auto"  # auto | fp32 | bf16 (dist.compute_dtype): bf16 runs under autocast
+    compile: bool = False
+    compile_mode: str = "default"
+    precision: str = "auto"
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy: unknown strategy {self.strategy!r}; valid: {', '.join(STRATEGIES)}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(
+                f"compile_mode: unknown torch.compile mode {self.compile_mode!r}; valid: {', '.join(COMPILE_MODES)}"
+            )
+        runtime.check_precision(self.precision)
+        for key in ("steps", "batch_size", "micro_batch_size", "log_every"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be between 0 and lr ({self.lr}), got {self.min_lr}")
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
-        return dist.compute_dtype(device, self.precision)
+        return runtime.compute_dtype(device, self.precision)
 
     @property
     def loss_compile_mode(self) -> str | None:
@@ -81,12 +93,22 @@ class LoopConfig:
         return self.compile_mode if self.compile else None
 
 
-def check_compile_mode(mode: str) -> None:
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile_mode: unknown torch.compile mode {mode!r}; valid: {', '.join(COMPILE_MODES)}")
+@dataclass
+class TrainResult:
+    history: dict
+    """Per step: step, loss, lr; per evaluation: val_step, val_loss (the resumed part included)."""
+    model: torch.nn.Module
+    """The trained model as wrapped for training (DDP, FSDP, compiled)."""
+    stopped: bool
+    """A stop signal ended the run early; a checkpoint holds its progress."""
+    flops_per_token: float
+    compute_dtype: str
+    tokens_per_s: float
+    """Over this run's steps, the first left out when there are others (warm-up, allocation)."""
+    mfu: float
 
 
-def grad_accum_steps(cfg: LoopConfig, world_size: int) -> int:
+def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
     per_step = cfg.micro_batch_size * world_size
     if cfg.batch_size % per_step:
         raise ValueError(
@@ -96,7 +118,7 @@ def grad_accum_steps(cfg: LoopConfig, world_size: int) -> int:
     return cfg.batch_size // per_step
 
 
-def lr_at(step: int, cfg: LoopConfig) -> float:
+def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to lr, then cosine decay to min_lr at the last step."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -134,7 +156,7 @@ def decoder_layers(model):
     return inner.model.layers
 
 
-def wrap(model, cfg: LoopConfig, rt: dist.Runtime):
+def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
     """Put the model on the device and under DDP or FSDP2 (one process: unwrapped)."""
     if any(p.device != rt.device for p in model.parameters()):
         model.to(rt.device)  # quantized models are loaded onto their device already
@@ -164,73 +186,12 @@ def wrap(model, cfg: LoopConfig, rt: dist.Runtime):
     return model
 
 
-def make_optimizer(model, cfg: LoopConfig):
+def make_optimizer(model, cfg: TrainConfig):
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # The fused kernel (CPU and CUDA) is the fastest AdamW; it is also what transformers.Trainer uses.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
-
-
-def _fqn(name: str) -> str:
-    """A parameter name as torch.distributed.checkpoint writes it (no DDP/compile wrapper prefixes)."""
-    return ".".join(part for part in name.split(".") if part not in ("module", "_orig_mod", "_fsdp_wrapped_module"))
-
-
-def state_dicts(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
-    """Model and optimizer state for a checkpoint. With a frozen base only the trainable parameters
-    (quantized bases also put packing statistics in the state dict; those are left out too)."""
-    trainable = {_fqn(n) for n, p in model.named_parameters() if p.requires_grad}
-    frozen = any(not p.requires_grad for p in model.parameters())
-    options = StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else StateDictOptions()
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    if frozen:
-        model_sd = {k: v for k, v in model_sd.items() if k in trainable}
-    return model_sd, optim_sd, options
-
-
-def save_checkpoint(folder: Path, step: int, model, optimizer, history: list, rt: dist.Runtime, keep: int = 2) -> Path:
-    """Sharded model + optimizer state (every rank writes its shard), plus step, loss history and RNG
-    state; published by renaming, so a crash mid-write leaves no `step-*` folder behind."""
-    final = folder / f"step-{step}"
-    model_sd, optim_sd, _ = state_dicts(model, optimizer)
-    with ckpt.atomic_dir(final, rt) as tmp:
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
-        if rt.is_main:
-            torch.save({"step": step, "history": history, "torch_rng": torch.get_rng_state()}, tmp / "extra.pt")
-        dist.barrier()  # every rank's shard is on disk before the manifest records them
-        if rt.is_main:
-            ckpt.write_manifest(tmp)
-        if os.environ.get("PIPELINE_FAULT_IN_CHECKPOINT") == str(step):
-            os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the resume tests
-    if rt.is_main:
-        done = sorted((p for p in folder.glob("step-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
-        for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why a checkpoint cannot be resumed from: files that do not match its manifest (truncated,
-    changed, missing), or an extra.pt that is not plain data. None when it is intact."""
-    problem = ckpt.manifest_problem(path)
-    if problem is None:
-        try:
-            torch.load(path / "extra.pt", weights_only=True)
-        except Exception as e:  # whatever the unpickler refuses
-            problem = f"extra.pt does not load as plain data ({type(e).__name__})"
-    return problem
-
-
-def load_checkpoint(path: Path, model, optimizer) -> dict:
-    model_sd, optim_sd, options = state_dicts(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path / "state"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
-    extra = torch.load(path / "extra.pt", weights_only=True)  # data only: a checkpoint never runs code
-    torch.set_rng_state(extra["torch_rng"])
-    return extra
 
 
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -257,7 +218,7 @@ def lm_loss(
     return loss_fn(logits, y, reduction)
 
 
-def global_target_count(targets: list[torch.Tensor], rt: dist.Runtime) -> torch.Tensor:
+def global_target_count(targets: list[torch.Tensor], rt: runtime.Runtime) -> torch.Tensor:
     """How many targets (not IGNORE_INDEX) one optimizer step holds, over its micro-batches and all
     ranks: the divisor that makes the step's loss the mean over tokens, however the masked (prompt)
     tokens fall across micro-batches and ranks."""
@@ -268,7 +229,7 @@ def global_target_count(targets: list[torch.Tensor], rt: dist.Runtime) -> torch.
 
 
 @torch.no_grad()
-def evaluate(model, windows, cfg: LoopConfig, rt: dist.Runtime) -> float:
+def evaluate(model, windows, cfg: TrainConfig, rt: runtime.Runtime) -> float:
     """Mean loss per target token over `eval_batches` global batches of fixed validation windows (same
     every call); `windows` is a Windows or another batch source."""
     model.eval()
@@ -293,36 +254,42 @@ def evaluate(model, windows, cfg: LoopConfig, rt: dist.Runtime) -> float:
 
 
 def train(
-    model, train_data, val_data, cfg: LoopConfig, rt: dist.Runtime, ckpt_folder: Path, tracker, stop: dist.StopFlag
-) -> dict:
+    model,
+    train_data,
+    val_data,
+    cfg: TrainConfig,
+    context_length: int,
+    rt: runtime.Runtime,
+    ckpt_folder: Path,
+    tracker,
+    stop: runtime.StopFlag,
+) -> TrainResult:
     """Train `model` (a transformers causal LM, or a PEFT model around one) for cfg.steps optimizer
-    steps, resuming from the newest checkpoint in `ckpt_folder`. The data are token streams (np.ndarray,
-    cut into Windows) or batch sources with `batch(step, index, size) -> (inputs, targets)`. Returns
-    history (per-step loss/lr, validation losses), the wrapped model, and whether SIGTERM stopped it
-    early (a checkpoint was written). Stages hold `ckpt.exclusive(ckpt_folder)` around it and their
+    steps of sequences of `context_length` tokens, resuming from the newest intact checkpoint in
+    `ckpt_folder`. The data are token streams (np.ndarray, cut into Windows) or batch sources with
+    `batch(step, index, size) -> (inputs, targets)`. A stop signal ends it after the step with a
+    checkpoint (`stopped`). Stages hold the folder's lock (stage.checkpoints) around it and their
     publishing, so no second run resumes from or writes into the same folder meanwhile."""
     accum = grad_accum_steps(cfg, rt.world_size)
-    fpt = flops_per_token(model, cfg.context_length)
+    fpt = flops_per_token(model, context_length)
     model = wrap(model, cfg, rt)
     optimizer = make_optimizer(model, cfg)
-    train_w = Windows(train_data, cfg.context_length, cfg.seed) if isinstance(train_data, np.ndarray) else train_data
-    val_w = Windows(val_data, cfg.context_length, cfg.seed) if isinstance(val_data, np.ndarray) else val_data
+    train_w = Windows(train_data, context_length, cfg.seed) if isinstance(train_data, np.ndarray) else train_data
+    val_w = Windows(val_data, context_length, cfg.seed) if isinstance(val_data, np.ndarray) else val_data
     history = {"step": [], "loss": [], "lr": [], "val_step": [], "val_loss": []}
     start = 0
     # Rank 0 picks the newest intact checkpoint (a damaged one is skipped with a warning); all ranks load it.
-    latest = dist.broadcast_object(
-        ckpt.newest_intact_checkpoint(ckpt_folder, checkpoint_problem) if rt.is_main else None
-    )
+    latest = runtime.broadcast_object(ckpt.newest_intact_checkpoint(ckpt_folder) if rt.is_main else None)
     if latest is not None:
-        extra = load_checkpoint(latest, model, optimizer)
+        extra = ckpt.load_checkpoint(latest, model, optimizer)
         start, history = extra["step"], extra["history"]
-        dist.print0(f"resuming from {latest} (step {start})", rt=rt)
+        runtime.print0(f"resuming from {latest} (step {start})", rt=rt)
     dtype = cfg.compute_dtype(rt.device)
-    dist.warn_if_emulated_bf16(rt.device, dtype, rt)
+    runtime.warn_if_emulated_bf16(rt.device, dtype, rt)
     amp = torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
-    tokens_per_step = cfg.batch_size * cfg.context_length
+    tokens_per_step = cfg.batch_size * context_length
     stopped = False
-    bar = dist.progress(total=cfg.steps, initial=start, desc="train", rt=rt)
+    bar = runtime.progress(total=cfg.steps, initial=start, desc="train", rt=rt)
     step_times = []  # seconds of each step's forward/backward/update (validation and saving excluded)
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
@@ -376,11 +343,11 @@ def train(
             history["val_step"].append(done)
             history["val_loss"].append(metrics["val_loss"])
         tracker.log_metrics(metrics, step=done)
-        stopped = dist.any_rank(bool(stop))
+        stopped = runtime.any_rank(bool(stop))
         if stopped or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps):
-            save_checkpoint(ckpt_folder, done, model, optimizer, history, rt)
+            ckpt.save_checkpoint(ckpt_folder, done, model, optimizer, history, rt)
         if stopped:
-            dist.print0(
+            runtime.print0(
                 f"stopped by {stop.signal or 'a signal to another rank'} after step {done}; checkpoint "
                 f"saved, re-run to resume",
                 rt=rt,
@@ -390,26 +357,15 @@ def train(
     # Throughput over this run's steps, the first (warm-up, allocation) left out when there are others.
     timed = step_times[1:] or step_times
     tps = tokens_per_step * len(timed) / max(sum(timed), 1e-9) if timed else 0.0
-    return {
-        "history": history,
-        "model": model,
-        "stopped": stopped,
-        "flops_per_token": fpt,
-        "compute_dtype": str(dtype),
-        "tokens_per_s": tps,
-        "mfu": fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12),
-    }
-
-
-def full_state_dict(model, rt: dist.Runtime, trainable_only: bool = False) -> dict:
-    """The whole model's state on CPU, on rank 0 (gathered from FSDP shards or taken from DDP);
-    with `trainable_only`, just the trainable parameters (the adapters of a frozen base)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
-    sd = get_model_state_dict(model, options=options)
-    if trainable_only:
-        names = {_fqn(n) for n, p in model.named_parameters() if p.requires_grad}
-        sd = {k: v for k, v in sd.items() if _fqn(k) in names}
-    return {k.removeprefix("_orig_mod."): v for k, v in sd.items()} if rt.is_main else {}
+    return TrainResult(
+        history=history,
+        model=model,
+        stopped=stopped,
+        flops_per_token=fpt,
+        compute_dtype=str(dtype),
+        tokens_per_s=tps,
+        mfu=fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12),
+    )
 
 
 def write_curves(folder: Path, history: dict, val_column: str = "val_loss") -> None:

@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from stages.common import dist
+from stages.common import runtime
 
 EXPERIMENT = os.environ.get("MLFLOW_EXPERIMENT_NAME", "pipeline")
 
@@ -214,7 +214,7 @@ def close_orphaned_runs(client, experiment_id: str, stage: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags: dict | None = None):
+def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, tags: dict | None = None):
     """Open the stage's MLflow run on rank 0 (yield a Tracker; a silent one on other ranks).
 
     Tags: stage, git commit, input content hash, pipeline invocation, world size, device; params
@@ -270,7 +270,7 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags
         "pid_start": _process_start(os.getpid()) or "",
         "pid_space": pid_space(),
         # kernels, and so the last digits of results, depend on these
-        **{k: ",".join(v) if isinstance(v, list) else v for k, v in dist.cpu_info().items()},
+        **{k: ",".join(v) if isinstance(v, list) else v for k, v in runtime.cpu_info().items()},
         **({"pipeline_run": group} if group else {}),
         **(tags or {}),
     }
@@ -281,6 +281,9 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: dist.Runtime, tags
         try:
             yield Tracker(run.info.run_id)
             status = "FINISHED"
+        except runtime.Stopped:
+            status = "KILLED"  # stopped by a signal after a checkpoint: re-running resumes
+            raise
         finally:
             mlflow.end_run(status=status)
             if parent:

@@ -134,7 +134,7 @@ def test_warning_signal_checkpoints_requeues_and_resumes(cluster, tmp_path_facto
     # exec: the batch shell is the launcher itself, so `scancel --batch --signal` reaches it.
     script.write_text(
         "#!/bin/bash\nexec python -m pipelines.launch pretrain --input data/tokenize "
-        "--output data/pretrain steps=400 checkpoint_every=10 eval_every=400 log_every=10\n"
+        "--output data/pretrain train.steps=400 train.checkpoint_every=10 train.eval_every=400 train.log_every=10\n"
     )
     log = work / "pretrain.log"
     job_id = subprocess.run(

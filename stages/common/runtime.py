@@ -211,6 +211,10 @@ def progress(iterable=None, rt: Runtime | None = None, **kwargs):
     return tqdm(iterable, disable=disable, mininterval=2.0, file=sys.stderr, dynamic_ncols=True, **kwargs)
 
 
+class Stopped(Exception):
+    """A stop signal ended a run early, after saving what resuming needs; its process exits with 143."""
+
+
 class StopFlag:
     """Set by SIGTERM (preemption, SLURM time limits) or SIGINT (Ctrl-C); long loops poll it, save a
     checkpoint and exit."""
@@ -223,7 +227,7 @@ class StopFlag:
         return self.requested
 
 
-def handle_sigterm() -> StopFlag:
+def handle_signals() -> StopFlag:
     """SIGTERM and SIGINT set the returned flag instead of killing the process. Ctrl-C signals the
     terminal's foreground process group; torchrun passes the signal it got on to its workers, so a
     training stage hears Ctrl-C as SIGINT and must save like on SIGTERM."""

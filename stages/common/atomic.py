@@ -1,0 +1,67 @@
+"""Atomic publishing: a reader sees the old file or folder, or the complete new one, never a half-written one.
+
+Everything a stage publishes (its output folder, checkpoints, JSON files) is written under a hidden
+temporary name beside its final path and renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from stages.common import runtime
+
+
+def _tmp_sibling(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+
+
+@contextlib.contextmanager
+def folder(final: str | Path, rt: runtime.Runtime | None = None):
+    """Yield a temporary folder beside `final`; on success it is renamed to `final` (replacing an old
+    one), on error removed. With a distributed `rt` every rank writes into the same folder (it needs a
+    filesystem shared by the ranks) and rank 0 renames it once all ranks succeeded; with `rt=None` the
+    caller is the only writer."""
+    final = Path(final)
+    collective = rt is not None and rt.distributed
+    tmp = None
+    if rt is None or rt.is_main:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _tmp_sibling(final)
+        tmp.mkdir()
+    if collective:
+        tmp = Path(runtime.broadcast_object(str(tmp) if tmp else None))
+    ok = False
+    try:
+        yield tmp
+        ok = True
+    finally:
+        all_ok = not runtime.any_rank(not ok) if collective else ok
+        if rt is None or rt.is_main:
+            if all_ok:
+                if final.exists():
+                    old = _tmp_sibling(final)
+                    final.rename(old)
+                    shutil.rmtree(old)
+                tmp.rename(final)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+        if collective:
+            runtime.barrier()
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write a text file via a temporary file and rename: readers see the old file or the new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_json(path: str | Path, obj) -> None:
+    """Write JSON via a temporary file and rename."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,156 @@
+"""What every stage does around its own work: command line and params, the process group, the stop
+signals, the MLflow run with the inputs' content hash, the checkpoint folder, and atomic publishing.
+
+A stage's `main` reads:
+
+    args, cfg = stage.setup(__doc__, STAGE, Config, {"input": "data/tokenize", "output": "data/pretrain"}, argv)
+    ... check the inputs (before any compute) ...
+    return stage.launch(STAGE, lambda rt, stop: run(cfg, ..., rt, stop), train=cfg.train)
+
+and a training stage's `run`:
+
+    digest = stage.inputs_hash([inputs], rt)
+    with stage.checkpoints(STAGE, cfg, digest, rt) as folder, stage.tracked(STAGE, cfg, digest, rt) as (tracker, _):
+        result = stage.train(model, train_data, val_data, cfg.train, context, rt, folder, tracker, stop)
+        meta = stage.publish(output, rt, lambda tmp: save_outputs(tmp, ...))
+
+(the lock first: a second run of the same params and inputs stops before it opens an MLflow run).
+
+The stop protocol: SIGTERM or SIGINT (preemption, a SLURM time limit, Ctrl-C) lets the step finish,
+the loop saves a checkpoint, `stage.train` raises `Stopped`, and `launch` leaves the process group and
+exits with 143 (128 + SIGTERM), the code schedulers read as "preempted, re-run to resume".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+from stages.common import atomic, ckpt, config, loop, runtime, track
+
+STOPPED_EXIT_CODE = 143
+
+
+Stopped = runtime.Stopped
+
+
+def parse_cli(doc: str, paths: dict, argv=None) -> tuple[argparse.Namespace, list[str]]:
+    """The command line every stage shares: path options (name -> default; a list default takes one
+    or more paths), `--params FILE`, and trailing `key=value` overrides of the stage's params section.
+    Returns (args, overrides)."""
+    parser = argparse.ArgumentParser(
+        description=doc.strip().splitlines()[0],
+        epilog="Trailing key=value pairs override the stage's params section (dotted keys for sub-sections).",
+    )
+    parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    for name, default in paths.items():
+        many = isinstance(default, list)
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            default=default,
+            nargs="+" if many else None,
+            help=f"default: {default}",
+        )
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    # Intermixed: overrides may come before, between or after the options.
+    args = parser.parse_intermixed_args(argv)
+    overrides = list(args.overrides)
+    for name, default in paths.items():
+        if isinstance(default, list):
+            # `--inputs a b key=value`: argparse hands the override to --inputs; give it back.
+            values = getattr(args, name)
+            setattr(args, name, [v for v in values if "=" not in v])
+            overrides += [v for v in values if "=" in v]
+    return args, overrides
+
+
+def setup(doc: str, section: str, cls: type, paths: dict, argv=None):
+    """Parse the command line and load the stage's params section (with overrides) into `cls`.
+    Returns (args, config)."""
+    args, overrides = parse_cli(doc, paths, argv)
+    return args, config.load(cls, section, args.params, overrides)
+
+
+def check_batch(section: str, train: loop.TrainConfig, world_size: int) -> None:
+    """The global batch splits evenly into micro-batches over the processes (checked once the world
+    size is known, before any compute)."""
+    try:
+        loop.grad_accum_steps(train, world_size)
+    except ValueError as e:
+        raise config.UserError(f"params.yaml: {section}.train.{e}") from None
+
+
+def launch(section: str, body, train: loop.TrainConfig | None = None):
+    """Join the process group, install the stop-signal handler, run `body(rt, stop)` and leave the group
+    (also on errors: a wrapped model must be gone before, which is why it lives only inside `body`).
+    A `Stopped` body exits with 143 after teardown."""
+    rt = runtime.init()
+    stop = runtime.handle_signals()
+    try:
+        if train is not None:
+            check_batch(section, train, rt.world_size)
+        return body(rt, stop)
+    except Stopped:
+        stopped = True
+    finally:
+        runtime.teardown()
+    if stopped:
+        raise SystemExit(STOPPED_EXIT_CODE)  # preempted: a checkpoint holds the progress; re-running resumes
+
+
+def inputs_hash(paths, rt: runtime.Runtime) -> str:
+    """The content hash of a stage's inputs, computed by rank 0 and shared with every rank."""
+    return runtime.broadcast_object(ckpt.hash_files(paths) if rt.is_main else None)
+
+
+@contextlib.contextmanager
+def tracked(section: str, cfg, inputs, rt: runtime.Runtime, tags: dict | None = None):
+    """The stage's MLflow run (params: its whole section), tagged with the content hash of `inputs` (paths,
+    or their hash from `inputs_hash`). Every rank enters it; rank 0 logs. Yields (tracker, inputs hash)."""
+    digest = inputs if isinstance(inputs, str) else inputs_hash(inputs, rt)
+    with track.start_run(section, config.as_dict(cfg), digest, rt, tags=tags) as tracker:
+        yield tracker, digest
+
+
+@contextlib.contextmanager
+def checkpoints(section: str, cfg, digest: str, rt: runtime.Runtime, **key):
+    """The checkpoint folder of these params and inputs (plus `key`, e.g. a variant name), held by this
+    run while it trains into it and publishes: a second run of the same stage, params and inputs stops
+    with a clear error instead of resuming from, or writing over, checkpoints in flight."""
+    folder = ckpt.checkpoint_dir(section, {**config.as_dict(cfg), **key}, digest)
+    with ckpt.exclusive(folder, rt):
+        yield folder
+
+
+def train(model, train_data, val_data, cfg: loop.TrainConfig, context: int, rt, folder: Path, tracker, stop):
+    """loop.train; a stop signal (the loop saved a checkpoint) is tagged on the run and raised as Stopped."""
+    result = loop.train(model, train_data, val_data, cfg, context, rt, folder, tracker, stop)
+    if result.stopped:
+        tracker.set_tags({"stopped_by": stop.signal or "SIGTERM", "resume_from": str(folder)})
+        raise Stopped
+    return result
+
+
+def publish(output: str | Path, rt: runtime.Runtime, write):
+    """Write the stage's output folder atomically: rank 0 calls `write(tmp)` into a temporary folder
+    beside `output`, which replaces `output` once every rank got there. Returns what `write` returned,
+    on every rank."""
+    result = None
+    with atomic.folder(output, rt) as tmp:
+        if rt.is_main:
+            result = write(tmp)
+    return runtime.broadcast_object(result)
+
+
+def entry(main) -> None:
+    """`python -m stages.<name>`: a UserError becomes one line on stderr (rank 0) and exit code 2."""
+    try:
+        main()
+    except config.UserError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
