@@ -78,7 +78,7 @@ def loop_cfg(steps: int, compile_mode: str | None = None, precision: str = "fp32
         beta2=0.95,
         grad_clip=1.0,
         strategy="ddp",
-        activation_checkpointing=False,
+        activation_checkpointing="none",
         compile=compile_mode is not None,
         eval_every=0,
         eval_batches=0,

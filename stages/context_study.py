@@ -39,9 +39,7 @@ YARN = "Peng et al. 2023 (YaRN)"
 @dataclass(frozen=True)
 class Config:
     unscaled_growth: float
-    """Finding 1 holds when the unscaled model's perplexity at s x L is at least this many times its value at L."""
     finetuned_tolerance: float
-    """Finding 2 holds when fine-tuned interpolation at s x L is within this fraction above the base at L."""
 
     def __post_init__(self):
         if self.unscaled_growth < 1 or not 0 <= self.finetuned_tolerance < 1:

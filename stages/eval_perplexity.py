@@ -60,23 +60,14 @@ METRICS = ("nll", "perplexity", "bits_per_byte", "byte_perplexity", "word_perple
 @dataclass(frozen=True)
 class Config:
     contexts: tuple[int, ...]
-    """Context lengths (tokens the model reads per window), evaluated one after another."""
     stride: int | None
-    """Tokens between window starts (at most the smallest context); null: each context's own length."""
     batch_size: int
-    """Windows per forward pass."""
     split: str
-    """Split of the token shards to evaluate (ignored with --text)."""
     extrapolate: bool
-    """Allow contexts longer than the model's config.max_position_embeddings."""
     position_buckets: tuple[int, ...]
-    """Edges of per-position buckets: [16, 32] reports positions 0-16, 16-32, 32-context ([] = none)."""
     max_tokens: int
-    """Evaluate at most this many tokens from the start of the split (0 = all)."""
     prepend_bos: bool
-    """Start the stream with the bos token (eos when there is none), so the split's first token is scored."""
     precision: str
-    """auto (bf16 on GPUs, fp32 on CPUs) | fp32 | bf16 (weights in bf16; fast on CPUs with AVX512-BF16/AMX)."""
 
     def __post_init__(self):
         runtime.check_precision(self.precision)

@@ -61,15 +61,10 @@ ROPE_TYPES = {
 @dataclass(frozen=True)
 class Config:
     factor: float
-    """s: the extended context is s x L tokens."""
     original_context: int
-    """L, the context the base model was trained at; 0: the base model's config.max_position_embeddings."""
     variants: dict
-    """name -> {rope_type: linear | dynamic | yarn | llama3, and that type's keys} (transformers rope_parameters)."""
     finetune: tuple[str, ...]
-    """Variants to fine-tune at s x L (names of `variants`, or `unscaled` for the direct fine-tune); [] = none."""
     train: loop.TrainConfig
-    """Fine-tuning at s x L, as in the pretrain stage (batch_size counts sequences of s x L tokens)."""
 
     def __post_init__(self):
         if not self.factor > 1:

@@ -62,7 +62,6 @@ class LoRA:
     alpha: float
     dropout: float
     target_modules: tuple[str, ...]
-    """Module name suffixes that get adapters, or [all-linear] (every linear layer but the output head)."""
 
     def __post_init__(self):
         if self.r < 1:
@@ -76,7 +75,6 @@ class LoRA:
 @dataclass(frozen=True)
 class Config:
     base: str
-    """The model to fine-tune: a Hugging Face folder (the pretrain stage's model) or a hub model id."""
     quantization: str
     quant_storage: str
     double_quant: bool

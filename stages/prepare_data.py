@@ -44,21 +44,13 @@ SPLITS = ("train", "val", "test")
 @dataclass(frozen=True)
 class Config:
     corpus: str
-    """tinyshakespeare | wikitext2 | hub:<dataset id>[:<config>] | path to a local .txt or .jsonl file."""
     text_field: str
-    """Text column of hub datasets and key of jsonl records."""
     val_fraction: float
-    """Share of a corpus without its own splits that becomes validation (a contiguous slice)."""
     test_fraction: float
-    """Share that becomes test (the final contiguous slice)."""
     max_bytes: int
-    """Keep at most this many bytes of each split, cut at a line end (0 keeps everything)."""
     instructions: str
-    """alpaca | hub:<dataset id> | path to a local .jsonl of instruction/input/output | none."""
     instructions_max_records: int
-    """Keep the first N instruction records (0 keeps all)."""
     graphs: tuple[str, ...]
-    """Planetoid graphs to materialize: any of Cora, CiteSeer, PubMed."""
 
     def __post_init__(self):
         if not (

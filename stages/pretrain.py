@@ -134,6 +134,7 @@ def save_outputs(tmp: Path, model_sd: dict, cfg: Config, meta_in: dict, inp: Pat
         "flops_per_token": result.flops_per_token,
         "model_config": model.config.to_dict(),
         "compute_dtype": result.compute_dtype,
+        "optimizer_state_bytes": result.optimizer_state_bytes,  # rank 0's (its shard under fsdp)
         "cpu": runtime.cpu_info(),
     }
     atomic.write_json(tmp / "meta.json", meta)

@@ -67,11 +67,8 @@ MAX_DIFFERENCES = 20  # differing settings listed under a missing record
 @dataclass(frozen=True)
 class Config:
     strict: bool
-    """Fail the stage (after writing the report) when a reproduced result is outside its tolerance."""
     recorded: str
-    """YAML file of recorded perplexities, the regression baseline ("" for none)."""
     regression_tolerance: float
-    """Relative distance from a recorded perplexity that still passes."""
 
     def __post_init__(self):
         if not 0 <= self.regression_tolerance < 1:

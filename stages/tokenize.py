@@ -36,15 +36,10 @@ SPLITS = ("train", "val", "test")
 @dataclass(frozen=True)
 class Config:
     vocab_size: int
-    """Target vocabulary size, special tokens included (the trainer stops early on a small corpus)."""
     min_frequency: int
-    """A pair must occur this often to be merged."""
     train_max_bytes: int
-    """Train the tokenizer on at most this many bytes from the start of the train split (0 = all)."""
     batch_lines: int
-    """Lines per encode_batch call: bigger batches use the cores better, smaller ones less memory."""
     shard_tokens: int
-    """Token ids per shard file."""
 
     def __post_init__(self):
         floor = 256 + len(shards.SPECIAL_TOKENS)

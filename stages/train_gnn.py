@@ -72,15 +72,10 @@ class GCNConfig:
     """GCN (Kipf & Welling 2017): two GCNConv layers, ReLU between them."""
 
     hidden: int
-    """Hidden features (the paper's 16)."""
     dropout: float
-    """Dropout of both layers' inputs."""
     lr: float
-    """Adam learning rate."""
     weight_decay: float
-    """L2 penalty of the first layer (the paper's; the output layer has none)."""
     epochs: int
-    """Training epochs; the one with the best validation accuracy is kept."""
 
     def __post_init__(self):
         _at_least_one(self, "hidden", "epochs")
@@ -92,19 +87,12 @@ class GATConfig:
     """GAT (Velickovic et al. 2018): two GATConv layers, ELU between them."""
 
     hidden: int
-    """Hidden features summed over heads: 64 = 8 heads x 8."""
     heads: int
-    """Attention heads of the first layer, concatenated; must divide `hidden`."""
     output_heads: int
-    """Attention heads of the output layer, averaged; 0 = the paper's (8 for PubMed, else 1)."""
     dropout: float
-    """Dropout of both layers' inputs and of the attention coefficients."""
     lr: float
-    """Adam learning rate."""
     weight_decay: float
-    """L2 penalty of all parameters."""
     epochs: int
-    """Training epochs; the one with the best validation accuracy is kept."""
 
     def __post_init__(self):
         _at_least_one(self, "hidden", "heads", "epochs")
@@ -123,15 +111,10 @@ class MinibatchConfig:
     """DDP mini-batch training (instead of full-graph training, one seed per rank)."""
 
     enabled: bool
-    """false: full-graph training, seeds split across ranks; true: DDP mini-batch training, all ranks per seed."""
     loader: str
-    """Mini-batch loader: auto (neighbor with pyg-lib or torch-sparse, else random_node) | neighbor | random_node."""
     parts: int
-    """random_node: node partitions per epoch over all ranks (each batch is one partition's induced subgraph)."""
     neighbors: tuple[int, ...]
-    """neighbor: neighbours sampled per layer."""
     batch_size: int
-    """neighbor: training (seed) nodes per batch."""
 
     def __post_init__(self):
         if self.loader not in LOADERS:
@@ -144,23 +127,14 @@ class MinibatchConfig:
 @dataclass(frozen=True)
 class Config:
     dataset: str
-    """Planetoid graph: Cora, CiteSeer or PubMed (public split)."""
     models: tuple[str, ...]
-    """Models to train: gcn, gat."""
     seeds: int
-    """Repetitions per model (seeds first_seed, first_seed + 1, ...)."""
     first_seed: int
-    """Seed of the first repetition."""
     threads: int
-    """Torch threads per process; fixed so that results do not depend on the number of processes."""
     tolerance: float
-    """Accepted distance (accuracy points) from the published figure in the report."""
     gcn: GCNConfig
-    """GCN hyperparameters (the paper's)."""
     gat: GATConfig
-    """GAT hyperparameters (the paper's for Cora and CiteSeer)."""
     minibatch: MinibatchConfig
-    """Mini-batch training with DistributedDataParallel (off: the papers' full-graph training)."""
 
     def __post_init__(self):
         if self.dataset not in DATASETS:

@@ -128,14 +128,21 @@ def test_a_mapping_field_is_overridden_key_by_key():
     "overrides, message",
     [
         (["train.lr=fast"], "params.yaml: pretrain.train.lr must be a float, got 'fast'"),
-        (["train.lrr=1"], "unknown key pretrain.train.lrr; valid keys are: activation_checkpointing, batch_size"),
+        (
+            ["train.lrr=1"],
+            "unknown key pretrain.train.lrr; valid keys are: activation_checkpointing, activation_checkpointing_every",
+        ),
         (["lr=1"], "unknown key pretrain.lr (did you mean pretrain.train.lr?)"),
-        (["train=3"], "section 'pretrain.train' must be a mapping of keys, got 3"),
+        (["train=3"], "section 'pretrain.train' must be a mapping of keys (steps, batch_size, "),
         (["context_length.x=1"], "pretrain.context_length must be an int, got {'x': 1}"),
         (["train.strategy=zero"], "pretrain.train.strategy: unknown strategy 'zero'; valid: ddp, fsdp"),
         (["model.n_heads=3"], "pretrain.model.hidden_size must be a multiple of n_heads"),
         (["train.min_lr=0.1"], "pretrain.train.min_lr must be between 0 and lr (0.001), got 0.1"),
         (["tokenize.vocab_size=1"], "is for section 'tokenize', not 'pretrain'"),
+        (["train.optimizer=sgd"], "pretrain.train.optimizer: unknown optimizer 'sgd'; valid: adamw, adamw8bit, "),
+        (["train.activation_checkpointing=half"], "pretrain.train.activation_checkpointing: unknown policy 'half'"),
+        (["train.strategy=fsdp", "train.optimizer=adamw8bit"], "adamw8bit keeps its states per whole parameter"),
+        (["train.offload=true"], "pretrain.train.offload: FSDP2's CPU offload shards parameters to the host; set "),
     ],
 )
 def test_errors_in_sub_sections_name_the_dotted_key(overrides, message):

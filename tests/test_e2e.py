@@ -25,7 +25,16 @@ from conftest import MIRROR, ROOT
 pytestmark = pytest.mark.e2e
 UP_TO_DATE = "Data and pipelines are up to date."
 # What a change to tokenize re-runs (Snakemake rule names).
-DOWNSTREAM = {"tokenize", "pretrain", "extend_context", "finetune_qlora", "eval_perplexity", "context_study", "report"}
+DOWNSTREAM = {
+    "tokenize",
+    "pretrain",
+    "extend_context",
+    "finetune_qlora",
+    "eval_perplexity",
+    "context_study",
+    "memory_study",
+    "report",
+}
 
 
 def env_for(cwd: Path) -> dict:
@@ -129,6 +138,16 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
 
     assert "Nothing to be done" in sh("snakemake --cores 2", clone)
     assert dvc_ran(sh("dvc repro", clone)) == set()
+
+    # A key of a sub-section (pretrain.train.lr) changes pretrain's params for DVC (and report's, which
+    # reads the sections behind the perplexities; the stages between follow from pretrain's outputs), and
+    # makes Snakemake re-run pretrain and what depends on it (dry runs: nothing changes).
+    params = (clone / "params.yaml").read_text()
+    set_pretrain(clone, lr=0.002)
+    changed = json.loads(sh("dvc status --json", clone))
+    assert changed == {s: [{"changed deps": {"params.yaml": {"pretrain": "modified"}}}] for s in ("pretrain", "report")}
+    assert snakemake_ran(sh("snakemake --cores 2 -n", clone)) == DOWNSTREAM - {"tokenize", "memory_study"}
+    (clone / "params.yaml").write_text(params)
 
     # A params change re-runs tokenize and what follows, never prepare_data or train_gnn (no path from tokenize).
     set_vocab(clone, 600)

@@ -289,7 +289,7 @@ def test_step_loss_is_the_mean_over_target_tokens(tmp_path):
         beta2=0.95,
         grad_clip=1.0,
         strategy="ddp",
-        activation_checkpointing=False,
+        activation_checkpointing="none",
         compile=False,
         eval_every=0,
         eval_batches=1,

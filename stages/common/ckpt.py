@@ -1,14 +1,17 @@
-"""Where stages write: atomic output folders and the in-progress checkpoint location.
+"""Checkpoints: where they live, how they are saved, verified and loaded.
 
 DVC deletes a stage's declared outputs before re-running it and Snakemake deletes the outputs of a
 failed job, so in-progress checkpoints live outside declared outputs, in
 
-    checkpoints/<stage>/<key>/
+    checkpoints/<stage>/<key>/step-<n>/
 
 where <key> hashes the stage's params and the content of its inputs. A stage resumes only from the
-folder whose key matches: change a param or an input and it starts fresh. Every folder a stage
-publishes (outputs and checkpoints) is written under a temporary name and renamed into place, so a
-reader never sees a half-written one.
+folder whose key matches: change a param or an input and it starts fresh. A checkpoint holds the
+sharded model and optimizer state (torch.distributed.checkpoint, every rank its shard), the step,
+loss history and RNG state (extra.pt, plain data), and a manifest of its files' sizes and sha256,
+written last; it is published by renaming (stages.common.atomic), so a crash mid-save leaves no
+`step-*` folder, and a damaged one is passed over on resume. The folder is locked (flock) by the run
+that trains into it.
 """
 
 from __future__ import annotations

@@ -153,10 +153,12 @@ def is_section(tp: Any) -> bool:
 def build(cls: type, section: str, values: Any, source: str = "params.yaml"):
     """Check a mapping against the dataclass `cls` and build it; sub-sections (fields typed by a
     dataclass) are checked the same way, and every message names the full dotted key."""
-    if not isinstance(values, dict):
-        raise ConfigError(f"{source}: section '{section}' must be a mapping of keys, got {values!r}")
-    hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    if not isinstance(values, dict):
+        raise ConfigError(
+            f"{source}: section '{section}' must be a mapping of keys ({', '.join(fields)}), got {values!r}"
+        )
+    hints = typing.get_type_hints(cls)
     unknown = sorted(set(values) - set(fields))
     if unknown:
         hint = "".join(

@@ -2,9 +2,9 @@
 
 It owns what every causal-LM training run needs: data parallelism (DDP, or FSDP2 `fully_shard` per
 decoder layer then the root), AdamW with weight-decay groups, linear warmup + cosine decay, gradient
-accumulation and clipping, periodic validation, tokens/s and MFU, sharded checkpoints with
-`torch.distributed.checkpoint` every N steps and on SIGTERM (each with a manifest of its files' sizes
-and sha256), and exact resume from the newest intact checkpoint (a damaged one is passed over).
+accumulation and clipping, periodic validation, tokens/s and MFU, checkpoints (stages.common.ckpt)
+every N steps and on a stop signal, and exact resume from the newest intact one. Its settings are the
+`train` section of each training stage's params (TrainConfig).
 
 Batches are a pure function of (seed, step): each step draws `batch_size` windows from the token
 stream with a generator seeded by both, and rank r takes its slice. So the data position is the step,
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import math
 import time
 from dataclasses import dataclass
@@ -31,6 +32,12 @@ import torch
 from stages.common import ckpt, runtime
 
 STRATEGIES = ("ddp", "fsdp")
+# AdamW in fp32, or bitsandbytes' 8-bit AdamW (block-wise quantized moments: 2 bytes per parameter
+# instead of 8), optionally in paged memory that can spill to the host under GPU memory pressure.
+OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit")
+# none; full: every decoder layer recomputes its activations in the backward pass; selective: every
+# activation_checkpointing_every-th layer does (memory and speed between none and full).
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 IGNORE_INDEX = -100  # targets that carry no loss
 # torch.compile modes; the max-autotune ones also tune the matrix multiplies (Triton on GPUs) and
 # compile longer.
@@ -42,11 +49,8 @@ class TrainConfig:
     """The `train` section of every training stage (pretrain, extend_context, finetune_qlora)."""
 
     steps: int
-    """Optimizer steps."""
     batch_size: int
-    """Sequences per optimizer step over all processes."""
     micro_batch_size: int
-    """Sequences per forward pass per process; accumulation = batch_size / (micro_batch_size x processes)."""
     lr: float
     min_lr: float
     warmup_steps: int
@@ -55,8 +59,7 @@ class TrainConfig:
     beta2: float
     grad_clip: float
     strategy: str
-    """ddp | fsdp (FSDP2 fully_shard per decoder layer, then the root)."""
-    activation_checkpointing: bool
+    activation_checkpointing: str
     eval_every: int
     eval_batches: int
     checkpoint_every: int
@@ -66,6 +69,9 @@ class TrainConfig:
     compile: bool = False
     compile_mode: str = "default"
     precision: str = "auto"
+    optimizer: str = "adamw"
+    activation_checkpointing_every: int = 2
+    offload: bool = False
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -75,7 +81,23 @@ class TrainConfig:
                 f"compile_mode: unknown torch.compile mode {self.compile_mode!r}; valid: {', '.join(COMPILE_MODES)}"
             )
         runtime.check_precision(self.precision)
-        for key in ("steps", "batch_size", "micro_batch_size", "log_every"):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer: unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+        if self.optimizer != "adamw" and importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError(f"optimizer: {self.optimizer} needs bitsandbytes (pip install bitsandbytes) or use adamw")
+        if self.optimizer != "adamw" and self.strategy == "fsdp":
+            raise ValueError(
+                f"optimizer: {self.optimizer} keeps its states per whole parameter and cannot step FSDP's "
+                f"sharded ones; use strategy ddp or optimizer adamw"
+            )
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(
+                f"activation_checkpointing: unknown policy {self.activation_checkpointing!r}; valid: "
+                f"{', '.join(ACTIVATION_CHECKPOINTING)}"
+            )
+        if self.offload and self.strategy != "fsdp":
+            raise ValueError("offload: FSDP2's CPU offload shards parameters to the host; set strategy fsdp")
+        for key in ("steps", "batch_size", "micro_batch_size", "log_every", "activation_checkpointing_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         for key in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every"):
@@ -106,6 +128,8 @@ class TrainResult:
     tokens_per_s: float
     """Over this run's steps, the first left out when there are others (warm-up, allocation)."""
     mfu: float
+    optimizer_state_bytes: int = 0
+    """This process's optimizer states at the end (a shard of them under FSDP)."""
 
 
 def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
@@ -160,8 +184,9 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
     """Put the model on the device and under DDP or FSDP2 (one process: unwrapped)."""
     if any(p.device != rt.device for p in model.parameters()):
         model.to(rt.device)  # quantized models are loaded onto their device already
-    if cfg.activation_checkpointing:
-        model.activation_checkpointing_enable()
+    if cfg.activation_checkpointing != "none":
+        every = cfg.activation_checkpointing_every if cfg.activation_checkpointing == "selective" else 1
+        model.activation_checkpointing_enable(every_n_layers=every)
     if not rt.distributed:
         return torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     if cfg.strategy == "ddp":
@@ -176,6 +201,10 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
 
     mesh = init_device_mesh(rt.device.type, (rt.world_size,))
     kwargs = {"mesh": mesh}
+    if cfg.offload:  # parameters, gradients and optimizer states live on the host between uses
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kwargs["offload_policy"] = CPUOffloadPolicy()
     if cfg.compute_dtype(rt.device) == torch.bfloat16:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
@@ -190,8 +219,21 @@ def make_optimizer(model, cfg: TrainConfig):
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # The fused kernel (CPU and CUDA) is the fastest AdamW; it is also what transformers.Trainer uses.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.optimizer == "adamw":
+        # The fused kernel (CPU and CUDA) is the fastest AdamW; it is also what transformers.Trainer uses.
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=True)
+    import bitsandbytes as bnb
+
+    cls = bnb.optim.AdamW8bit if cfg.optimizer == "adamw8bit" else bnb.optim.PagedAdamW8bit
+    return cls(groups, lr=cfg.lr, betas=betas)
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of this process's optimizer states (moments, and 8-bit optimizers' block scales)."""
+    return sum(
+        v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)
+    )
 
 
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -365,6 +407,7 @@ def train(
         compute_dtype=str(dtype),
         tokens_per_s=tps,
         mfu=fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12),
+        optimizer_state_bytes=optimizer_state_bytes(optimizer),
     )
 
 

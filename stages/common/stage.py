@@ -32,8 +32,6 @@ from pathlib import Path
 from stages.common import atomic, ckpt, config, loop, runtime, track
 
 STOPPED_EXIT_CODE = 143
-
-
 Stopped = runtime.Stopped
 
 
@@ -75,13 +73,18 @@ def setup(doc: str, section: str, cls: type, paths: dict, argv=None):
     return args, config.load(cls, section, args.params, overrides)
 
 
-def check_batch(section: str, train: loop.TrainConfig, world_size: int) -> None:
-    """The global batch splits evenly into micro-batches over the processes (checked once the world
-    size is known, before any compute)."""
+def check_train(section: str, train: loop.TrainConfig, rt: runtime.Runtime) -> None:
+    """What the train section can only be checked against once the processes and device are known."""
     try:
-        loop.grad_accum_steps(train, world_size)
+        loop.grad_accum_steps(train, rt.world_size)
     except ValueError as e:
         raise config.UserError(f"params.yaml: {section}.train.{e}") from None
+    if train.offload and rt.device.type != "cuda":
+        raise config.UserError(
+            f"params.yaml: {section}.train.offload: FSDP2's CPU offload moves parameters, gradients and optimizer "
+            f"states from GPU memory to the host; this run is on {rt.device.type}, where they are there already: "
+            f"set it false"
+        )
 
 
 def launch(section: str, body, train: loop.TrainConfig | None = None):
@@ -92,7 +95,7 @@ def launch(section: str, body, train: loop.TrainConfig | None = None):
     stop = runtime.handle_signals()
     try:
         if train is not None:
-            check_batch(section, train, rt.world_size)
+            check_train(section, train, rt)
         return body(rt, stop)
     except Stopped:
         stopped = True

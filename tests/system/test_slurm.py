@@ -36,6 +36,9 @@ TIMINGS = {
     "train_s_per_seed",
     "wall_s",
     "peak_memory_mb",
+    "peak_mb",
+    "activation_mb",
+    "ours",  # memory_study's rows: ratios of measured memory and speed
 }  # measured, not computed: they vary from run to run
 UNSTABLE = {
     "data/tokenize/metrics.json": "encode_s, tokenizer_train_s, tokens_per_s",
@@ -49,6 +52,10 @@ UNSTABLE = {
     "data/eval_perplexity/extend_context/table.csv": "its tokens_per_s rows",
     "data/train_gnn/metrics.json": "train_s_per_seed, wall_s",
     "data/train_gnn/seeds.json": "train_s per seed",
+    "data/memory_study/metrics.json": "peak_mb, activation_mb, tokens_per_s per technique",
+    "data/memory_study/table.csv": "its measured columns",
+    "data/memory_study/results.json": "rows of measured ratios",
+    "data/memory_study/plots/memory.png": "a plot of measured memory",
     "reports/results.json": "every stage's metrics, timings included",
     "reports/results.md": "every stage's metrics, timings included",
 }

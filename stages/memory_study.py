@@ -1,0 +1,296 @@
+"""memory_study: what each low-memory training technique buys and what it costs, measured.
+
+Trains one model (pretrain's Llama architecture, `model` in params) from the same seed for `train.steps`
+steps at each length in `contexts`, once per entry of `techniques` (overrides of the `train` section:
+the optimizer, activation checkpointing, precision, ... alone and combined), each run in a fresh
+process so that its peak memory is its own. Per run:
+
+    peak_mb             the process's peak resident memory (VmHWM; on a GPU the allocator's peak)
+    activation_mb       the part of the peak that is activations: peak minus the memory held before
+                        training (model, data, runtime) minus gradients and optimizer states
+    optimizer_state_mb  the optimizer's states (8-bit optimizers: quantized moments, block scales, code tables)
+    tokens_per_s        training throughput (the first step left out)
+    final_loss          mean training loss of the last steps, and its ratio to the baseline's
+
+The rows checked in the report: the 8-bit optimizers' state against AdamW's (<= 0.30) and their loss
+(within 2%), full activation checkpointing's saving at the longest context (>= 40% of the baseline's
+activation memory), and selective checkpointing between none and full on memory and on speed.
+
+Run:
+    python -m stages.memory_study --input data/tokenize --output data/memory_study [key=value ...]
+    snakemake --cores all memory_study        # or: dvc repro memory_study
+
+Output (data/memory_study/):
+    table.csv          one row per technique and context: the figures above
+    metrics.json       per technique at the longest context: peak, activation and optimizer-state MiB,
+                       tokens/s, loss against the baseline's
+    results.json       the report rows
+    plots/memory.png   peak memory and its activation part per technique and context
+"""
+
+from __future__ import annotations
+
+import csv
+import ctypes
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stages import pretrain
+from stages.common import atomic, config, loop, runtime, shards, stage, track
+
+STAGE = "memory_study"
+BASELINE = "baseline"
+LOSS_STEPS = 3  # final_loss: the mean over the last this many steps
+# Freed buffers above this size go back to the OS at once, so that resident memory tracks the live
+# tensors (glibc otherwise raises its threshold as large blocks are freed and keeps them).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: pretrain.ModelConfig
+    contexts: tuple[int, ...]
+    train: loop.TrainConfig
+    techniques: dict
+
+    def __post_init__(self):
+        if not self.contexts or min(self.contexts) < 2 or max(self.contexts) > self.model.max_position_embeddings:
+            raise ValueError(
+                f"contexts must be lengths between 2 and model.max_position_embeddings "
+                f"({self.model.max_position_embeddings}), got {list(self.contexts)}"
+            )
+        if self.train.steps <= LOSS_STEPS:
+            raise ValueError(f"train.steps must be > {LOSS_STEPS} (the final loss averages the last {LOSS_STEPS})")
+        if BASELINE not in self.techniques:
+            raise ValueError(f"techniques: add a '{BASELINE}' entry ({{}}: the train section as it is)")
+        for name, overrides in self.techniques.items():
+            technique_config(self.train, name, overrides)
+
+
+def technique_config(train: loop.TrainConfig, name: str, overrides) -> loop.TrainConfig:
+    """The train section with a technique's overrides (checked like the section itself)."""
+    if not isinstance(overrides, dict):
+        raise ValueError(f"techniques.{name} must be a mapping of train keys, got {overrides!r}")
+    try:
+        return config.build(loop.TrainConfig, f"techniques.{name}", {**config.as_dict(train), **overrides})
+    except config.ConfigError as e:
+        raise ValueError(str(e).split(": ", 1)[1].removeprefix(f"{STAGE}.")) from None
+
+
+# ------------------------------------------------------------------------------------------ one run
+def status_mb(key: str) -> float:
+    """A VmRSS/VmHWM line of /proc/self/status, MiB."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def measure(spec: dict) -> dict:
+    """Train one technique at one context in this process and measure it (see the module docstring)."""
+    inp, context = Path(spec["input"]), spec["context"]
+    train = loop.TrainConfig(**spec["train"])
+    cuda = torch.cuda.is_available()
+    rt = runtime.Runtime(0, 1, 0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    if importlib.util.find_spec("bitsandbytes"):
+        import bitsandbytes  # noqa: F401  loaded in every run, so its code is not counted as one technique's memory
+    runtime.seed_everything(train.seed)
+    model = pretrain.build_model(pretrain.ModelConfig(**spec["model"]), shards.read_meta(inp))
+    tokens = shards.load_split(inp, "train")
+    ctypes.CDLL(None).malloc_trim(0)
+    before = torch.cuda.memory_allocated() / 2**20 if cuda else status_mb("VmRSS")
+    with tempfile.TemporaryDirectory() as folder:
+        result = loop.train(
+            model, tokens, tokens, train, context, rt, Path(folder), track.Tracker(None), runtime.StopFlag()
+        )
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else status_mb("VmHWM")
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / 2**20
+    state = result.optimizer_state_bytes / 2**20
+    losses = result.history["loss"]
+    return {
+        "peak_mb": peak,
+        "activation_mb": max(0.0, peak - before - grads - state),
+        "optimizer_state_mb": state,
+        "tokens_per_s": result.tokens_per_s,
+        "final_loss": sum(losses[-LOSS_STEPS:]) / LOSS_STEPS,
+    }
+
+
+def run_fresh(spec: dict) -> dict:
+    """measure() in a new Python process: its peak memory belongs to this run alone."""
+    code = "import json, sys; from stages import memory_study as m; print(json.dumps(m.measure(json.load(sys.stdin))))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        env={**os.environ, **MALLOC_ENV},
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory_study: the run {spec['name']} at {spec['context']} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -------------------------------------------------------------------------------------- the rows
+def only(cfg: Config, **train_keys) -> str | None:
+    """The technique that changes exactly these train keys, if the study has one."""
+    return next((n for n, o in cfg.techniques.items() if o == train_keys), None)
+
+
+def result_rows(cfg: Config, table: dict) -> list[dict]:
+    longest = max(cfg.contexts)
+    base = table[BASELINE, longest]
+    rows = []
+    for optimizer in ("adamw8bit", "paged_adamw8bit"):
+        name = only(cfg, optimizer=optimizer)
+        if name:
+            run = table[name, longest]
+            rows += [
+                {
+                    "result": f"{name}: optimizer state / AdamW's",
+                    "paper": "Dettmers et al. 2022 (8-bit optimizers): 2 bytes per parameter, not 8",
+                    "relation": "<=",
+                    "published": 0.30,
+                    "ours": round(run["optimizer_state_mb"] / base["optimizer_state_mb"], 4),
+                    "tolerance": 0.0,
+                },
+                {
+                    "result": f"{name}: loss after {cfg.train.steps} steps / AdamW's",
+                    "paper": "Dettmers et al. 2022: 8-bit optimizers match 32-bit training",
+                    "published": 1.0,
+                    "ours": round(run["final_loss"] / base["final_loss"], 4),
+                    "tolerance": 0.02,
+                },
+            ]
+    full = only(cfg, activation_checkpointing="full")
+    if full:
+        rows.append(
+            {
+                "result": f"full activation checkpointing: peak saved / activation memory at context {longest}",
+                "paper": "Chen et al. 2016 (training with sublinear memory): activations recomputed, not kept",
+                "relation": ">=",
+                "published": 0.40,
+                "ours": round(
+                    (base["peak_mb"] - table[full, longest]["peak_mb"]) / max(base["activation_mb"], 1e-9), 4
+                ),
+                "tolerance": 0.0,
+            }
+        )
+    selective = only(cfg, activation_checkpointing="selective")
+    if full and selective:
+        for key, label in (("peak_mb", "peak memory"), ("tokens_per_s", "tokens/s")):
+            none, lo, mid = base[key], table[full, longest][key], table[selective, longest][key]
+            rows.append(
+                {
+                    "result": f"selective activation checkpointing: {label} between none (0) and full (1)",
+                    "paper": "Korthikanti et al. 2022 (selective recomputation)",
+                    "published": 0.5,
+                    "ours": round((none - mid) / (none - lo), 4) if none != lo else None,
+                    "tolerance": 0.5,
+                }
+            )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ outputs
+def plot(cfg: Config, table: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = list(cfg.techniques)
+    fig, axes = plt.subplots(1, len(cfg.contexts), figsize=(5 * len(cfg.contexts), 4), squeeze=False)
+    for ax, context in zip(axes[0], cfg.contexts, strict=True):
+        peaks = [table[n, context]["peak_mb"] for n in names]
+        acts = [table[n, context]["activation_mb"] for n in names]
+        ax.bar(names, peaks, label="peak")
+        ax.bar(names, acts, label="of which activations")
+        ax.set(title=f"context {context}", ylabel="MiB")
+        ax.tick_params(axis="x", rotation=45)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_outputs(tmp: Path, cfg: Config, table: dict) -> dict:
+    base = {c: table[BASELINE, c] for c in cfg.contexts}
+    with open(tmp / "table.csv", "w", newline="") as fh:
+        writer = csv.writer(fh)
+        fields = ("peak_mb", "activation_mb", "optimizer_state_mb", "tokens_per_s", "final_loss")
+        writer.writerow(("technique", "context", *fields, "loss_vs_baseline"))
+        for (name, context), run in table.items():
+            ratio = run["final_loss"] / base[context]["final_loss"]
+            writer.writerow((name, context, *(round(run[f], 4) for f in fields), round(ratio, 4)))
+    longest = max(cfg.contexts)
+    metrics = {
+        name: {
+            "peak_mb": round(table[name, longest]["peak_mb"], 1),
+            "activation_mb": round(table[name, longest]["activation_mb"], 1),
+            "optimizer_state_mb": round(table[name, longest]["optimizer_state_mb"], 3),
+            "tokens_per_s": round(table[name, longest]["tokens_per_s"], 1),
+            "loss_vs_baseline": round(table[name, longest]["final_loss"] / base[longest]["final_loss"], 4),
+        }
+        for name in cfg.techniques
+    }
+    atomic.write_json(tmp / "metrics.json", {"context": longest, "techniques": metrics})
+    atomic.write_json(tmp / "results.json", result_rows(cfg, table))
+    atomic.write_json(tmp / "meta.json", {"git_commit": track.git_commit(), "cpu": runtime.cpu_info()})
+    plot(cfg, table, tmp / "plots/memory.png")
+    return metrics
+
+
+def run(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime) -> dict:
+    table = {}
+    with stage.tracked(STAGE, cfg, [inp], rt) as (tracker, _):
+        for context in cfg.contexts:
+            for name, overrides in cfg.techniques.items():
+                train = technique_config(cfg.train, name, overrides)
+                spec = {"name": name, "input": str(inp), "context": context, "model": dataclasses.asdict(cfg.model)}
+                table[name, context] = run_fresh({**spec, "train": dataclasses.asdict(train)})
+                figures = ", ".join(f"{k} {v:,.2f}" for k, v in table[name, context].items())
+                print(f"memory_study: {name} at context {context}: {figures}", flush=True)
+                tracker.log_metrics({f"{name}.{k}": v for k, v in table[name, context].items()}, step=context)
+        metrics = stage.publish(output, rt, lambda tmp: write_outputs(tmp, cfg, table))
+        tracker.log_artifact(output / "table.csv")
+        tracker.log_artifact(output / "plots", "plots")
+    return {"table": table, "metrics": metrics}
+
+
+def main(argv=None) -> dict:
+    args, cfg = stage.setup(__doc__, STAGE, Config, {"input": "data/tokenize", "output": "data/memory_study"}, argv)
+    inp, output = Path(args.input), Path(args.output)
+    try:
+        meta = shards.read_meta(inp)
+        shards.check_split(inp, "train")
+    except (FileNotFoundError, config.UserError) as e:
+        raise config.UserError(f"{STAGE}: {e}") from None
+    n = meta["splits"]["train"]["tokens"]
+    if n < max(cfg.contexts) + 2:
+        raise config.UserError(
+            f"{STAGE}: the train split of {inp} has {n} tokens, fewer than one window of {max(cfg.contexts) + 1}; "
+            f"lower {STAGE}.contexts"
+        )
+
+    def body(rt, stop):
+        if rt.distributed:
+            raise config.UserError(f"{STAGE}: runs its measurements one process at a time; run it without torchrun")
+        return run(cfg, inp, output, rt)
+
+    return stage.launch(STAGE, body)
+
+
+if __name__ == "__main__":
+    stage.entry(main)
