@@ -154,3 +154,17 @@ def test_a_missing_sub_section_key_is_named(tmp_path):
     text = (ROOT / "params.yaml").read_text().replace("    grad_clip: 1.0             # max global gradient norm\n", "")
     with pytest.raises(config.ConfigError, match="missing key pretrain.train.grad_clip; add it"):
         config.load(__import__("stages.pretrain").pretrain.Config, "pretrain", write(tmp_path, text))
+
+
+def test_offload_is_refused_where_it_cannot_act():
+    import torch
+
+    from stages.common import runtime, stage
+
+    train = load_pretrain(["train.strategy=fsdp", "train.offload=true"]).train
+    two_cpus = runtime.Runtime(0, 2, 0, 2, torch.device("cpu"))
+    with pytest.raises(config.UserError, match="pretrain.train.offload: .* this run is on cpu, where they are there"):
+        stage.check_train("pretrain", train, two_cpus)
+    with pytest.raises(config.UserError, match="pretrain.train.offload: .* a single process"):
+        stage.check_train("pretrain", train, runtime.Runtime(0, 1, 0, 1, torch.device("cuda", 0)))
+    stage.check_train("pretrain", train, runtime.Runtime(0, 2, 0, 2, torch.device("cuda", 0)))  # where it acts

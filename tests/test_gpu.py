@@ -14,21 +14,21 @@ pytestmark = pytest.mark.skipif(
 )
 
 TINY = [
-    "n_layers=2",
-    "hidden_size=64",
-    "n_heads=4",
-    "n_kv_heads=2",
-    "intermediate_size=128",
-    "max_position_embeddings=64",
+    "model.n_layers=2",
+    "model.hidden_size=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.intermediate_size=128",
+    "model.max_position_embeddings=64",
     "context_length=64",
-    "steps=12",
-    "batch_size=8",
-    "micro_batch_size=4",
-    "warmup_steps=2",
-    "eval_every=6",
-    "eval_batches=1",
-    "checkpoint_every=6",
-    "log_every=2",
+    "train.steps=12",
+    "train.batch_size=8",
+    "train.micro_batch_size=4",
+    "train.warmup_steps=2",
+    "train.eval_every=6",
+    "train.eval_batches=1",
+    "train.checkpoint_every=6",
+    "train.log_every=2",
 ]
 
 
@@ -49,10 +49,13 @@ def test_bf16_on_one_gpu_trains_and_saves_a_loadable_model(tokenized):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl with 2 processes needs 2 GPUs")
 def test_fsdp_bf16_mixed_precision_matches_ddp_under_nccl(tokenized):
     run_stage(
-        "pretrain", ["--input", "data/tokenize", "--output", "ddp", *TINY, "strategy=ddp"], cwd=tokenized, nproc=2
+        "pretrain", ["--input", "data/tokenize", "--output", "ddp", *TINY, "train.strategy=ddp"], cwd=tokenized, nproc=2
     )
     run_stage(
-        "pretrain", ["--input", "data/tokenize", "--output", "fsdp", *TINY, "strategy=fsdp"], cwd=tokenized, nproc=2
+        "pretrain",
+        ["--input", "data/tokenize", "--output", "fsdp", *TINY, "train.strategy=fsdp"],
+        cwd=tokenized,
+        nproc=2,
     )
     # bf16 compute: the same losses to bf16 precision, not bitwise.
     np.testing.assert_allclose(loss_curve(tokenized, "fsdp"), loss_curve(tokenized, "ddp"), rtol=2e-2)
@@ -70,9 +73,9 @@ def test_extend_context_fine_tunes_yarn_in_bf16(tokenized):
             "--output",
             "gpu_ext",
             "finetune=[yarn]",
-            "steps=4",
-            "batch_size=4",
-            "micro_batch_size=4",
+            "train.steps=4",
+            "train.batch_size=4",
+            "train.micro_batch_size=4",
         ],
         cwd=tokenized,
     )
@@ -100,13 +103,13 @@ def test_qlora_with_bf16_storage_and_compute_under_fsdp_and_nccl(tokenized):
         "base=qbase/model",
         "template=short",
         "seq_length=64",
-        "steps=6",
-        "batch_size=8",
-        "micro_batch_size=2",
-        "lr=0.01",
-        "lora_r=4",
-        "eval_every=3",
-        "checkpoint_every=0",
+        "train.steps=6",
+        "train.batch_size=8",
+        "train.micro_batch_size=2",
+        "train.lr=0.01",
+        "lora.r=4",
+        "train.eval_every=3",
+        "train.checkpoint_every=0",
     ]
     run_stage("finetune_qlora", args, cwd=tokenized, nproc=nproc)
     meta = json.loads((tokenized / "qlora/meta.json").read_text())
@@ -121,3 +124,20 @@ def test_qlora_with_bf16_storage_and_compute_under_fsdp_and_nccl(tokenized):
     assert PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(tokenized / "qbase/model"), tokenized / "qlora/adapter"
     )
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP2 CPU offload shards over 2 processes: needs 2 GPUs")
+def test_fsdp_cpu_offload_trains_like_without_it(tokenized):
+    args = ["--input", "data/tokenize", *TINY, "train.strategy=fsdp"]
+    run_stage("pretrain", [*args, "--output", "on_gpu"], cwd=tokenized, nproc=2)
+    run_stage("pretrain", [*args, "--output", "offloaded", "train.offload=true"], cwd=tokenized, nproc=2)
+    np.testing.assert_allclose(loss_curve(tokenized, "offloaded"), loss_curve(tokenized, "on_gpu"), rtol=2e-2)
+
+
+def test_paged_8bit_adamw_trains_on_gpu(tokenized):
+    args = ["--input", "data/tokenize", "--output", "paged", *TINY, "train.optimizer=paged_adamw8bit"]
+    run_stage("pretrain", args, cwd=tokenized)
+    curve = loss_curve(tokenized, "paged")
+    assert np.isfinite(curve).all() and curve[-1] < curve[0]
+    meta = json.loads((tokenized / "paged/meta.json").read_text())
+    assert 0 < meta["optimizer_state_bytes"] < 0.3 * 8 * meta["parameters"]

@@ -31,7 +31,7 @@ def params_with(root, tmp_path, **section) -> str:
 def test_every_technique_is_measured_and_the_rows_follow_the_table(tokenized, tmp_path, monkeypatch):
     monkeypatch.chdir(tokenized)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    params = params_with(tokenized, tmp_path, techniques=TECHNIQUES)
+    params = params_with(tokenized, tmp_path, techniques=TECHNIQUES, contexts=[64, 256])
     out = memory_study.main(["--params", params, "--input", "data/tokenize", "--output", str(tmp_path / "ms")])
     table = out["table"]
     assert set(table) == {(n, c) for n in TECHNIQUES for c in (64, 256)}

@@ -297,7 +297,7 @@ def test_a_second_run_refuses_and_training_dies_with_its_launcher(tokenized):
             "pretrain.train.compile_mode: unknown torch.compile mode 'fast'; valid: default, ",
         ),
         (["train.precision=fp16"], "pretrain.train.precision: unknown precision 'fp16'; valid: auto, fp32, bf16"),
-        (["train.strategy=fsdp", "train.offload=true"], "pretrain.train.offload: .* this run is on cpu"),
+        (["train.strategy=fsdp", "train.offload=true"], "pretrain.train.offload: .* a single process"),
         (["train.batch_size=7"], "batch_size \\(7\\) must be a multiple of micro_batch_size x processes \\(2 x 1\\)"),
     ],
 )

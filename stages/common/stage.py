@@ -79,6 +79,11 @@ def check_train(section: str, train: loop.TrainConfig, rt: runtime.Runtime) -> N
         loop.grad_accum_steps(train, rt.world_size)
     except ValueError as e:
         raise config.UserError(f"params.yaml: {section}.train.{e}") from None
+    if train.offload and not rt.distributed:
+        raise config.UserError(
+            f"params.yaml: {section}.train.offload: FSDP2's CPU offload shards over the processes of a torchrun "
+            f"run; this one has a single process: run it with torchrun --nproc-per-node 2 or more, or set it false"
+        )
     if train.offload and rt.device.type != "cuda":
         raise config.UserError(
             f"params.yaml: {section}.train.offload: FSDP2's CPU offload moves parameters, gradients and optimizer "
