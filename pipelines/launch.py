@@ -33,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from pipelines.dag import fill, load_table
@@ -124,13 +125,17 @@ def main() -> None:
     # killed with it, even by SIGKILL, it gets SIGTERM and its stage saves a checkpoint.
     from stages.common.runtime import die_with_parent
 
+    # A stage stopped by a signal (checkpoint saved) leaves this file behind: torchrun reports its
+    # workers' exit 143 as its own exit 1, and the launcher exits 143 for it.
+    stopped = Path(tempfile.gettempdir()) / f"pipeline-stopped-{os.getpid()}"
+    stopped.unlink(missing_ok=True)
     # No terminal input: a background process group reading it would be stopped (SIGTTIN).
     child = subprocess.Popen(
         cmd,
         process_group=0,
         preexec_fn=die_with_parent,
         stdin=subprocess.DEVNULL,
-        env={**os.environ, "PIPELINE_LAUNCHED": "1"},
+        env={**os.environ, "PIPELINE_LAUNCHED": "1", "PIPELINE_STOPPED_FILE": str(stopped)},
     )
     warned, forwarded = [], []
 
@@ -156,6 +161,9 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, forward)
     code = child.wait()
+    if code != 0 and stopped.exists():
+        code = 143  # stopped after a checkpoint: re-running resumes (schedulers read 143 as preempted)
+    stopped.unlink(missing_ok=True)
     if code == 0 and not os.environ.get("PIPELINE_SNAKEMAKE"):
         forget_snakemake_records(sys.argv[1])
     if warned and code != 0 and os.environ.get("SLURM_JOB_ID"):

@@ -195,7 +195,8 @@ def test_ctrl_c_under_the_launcher_and_torchrun_saves_a_checkpoint(tokenized):
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=120)
     text = log.read_text()
-    assert proc.returncode != 0 and "KeyboardInterrupt" not in text, text[-4000:]
+    # torchrun exits 1 after its workers' 143; the launcher exits 143 for it (preempted, re-run resumes)
+    assert proc.returncode == 143 and "KeyboardInterrupt" not in text, (proc.returncode, text[-4000:])
     assert "SIGINT received: finishing the step, then saving" in text and "stopped by SIGINT after step" in text, text[
         -4000:
     ]

@@ -107,6 +107,8 @@ def launch(section: str, body, train: loop.TrainConfig | None = None):
     finally:
         runtime.teardown()
     if stopped:
+        if os.environ.get("PIPELINE_STOPPED_FILE") and os.environ.get("RANK", "0") == "0":
+            Path(os.environ["PIPELINE_STOPPED_FILE"]).touch()  # tells pipelines.launch (under torchrun)
         raise SystemExit(STOPPED_EXIT_CODE)  # preempted: a checkpoint holds the progress; re-running resumes
 
 
