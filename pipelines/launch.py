@@ -135,7 +135,12 @@ def main() -> None:
         process_group=0,
         preexec_fn=die_with_parent,
         stdin=subprocess.DEVNULL,
-        env={**os.environ, "PIPELINE_LAUNCHED": "1", "PIPELINE_STOPPED_FILE": str(stopped)},
+        env={
+            **os.environ,
+            "PIPELINE_LAUNCHED": "1",
+            "PIPELINE_STAGE": sys.argv[1],
+            "PIPELINE_STOPPED_FILE": str(stopped),
+        },
     )
     warned, forwarded = [], []
 

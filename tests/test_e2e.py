@@ -116,6 +116,12 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     out = sh("snakemake --cores 2", clone)
     assert snakemake_ran(out) == {"prepare_data", *DOWNSTREAM, "train_gnn"}
     assert UP_TO_DATE in sh("dvc status", clone), "snakemake commits every stage to dvc.lock"
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{clone / 'mlflow.db'}")
+    names = {r.info.run_name for r in client.search_runs([client.get_experiment_by_name("pipeline").experiment_id])}
+    items = {"eval_perplexity@pretrain", "eval_perplexity@extend_context", "finetune_qlora@nf4", "finetune_qlora@none"}
+    assert items | {"pretrain", "report"} <= names, "stage runs are named with their item"
     results = (clone / "reports/results.md").read_text()
     assert (
         "| result | paper | relation | published | ours | tolerance | pass | stage | git_commit | data_hashes |"

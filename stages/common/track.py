@@ -274,7 +274,11 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
         **({"pipeline_run": group} if group else {}),
         **(tags or {}),
     }
-    with mlflow.start_run(experiment_id=experiment_id, run_name=stage, parent_run_id=parent, tags=all_tags) as run:
+    # A stage run once per item (eval_perplexity@pretrain, finetune_qlora@nf4) is named with its item,
+    # as the launcher passes it on.
+    label = os.environ.get("PIPELINE_STAGE", "")
+    run_name = label if label.partition("@")[0] == stage else stage
+    with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, parent_run_id=parent, tags=all_tags) as run:
         mlflow.log_params({k: json.dumps(v) if isinstance(v, (list, tuple)) else v for k, v in flatten(params).items()})
         mlflow.log_text(pip_freeze(), "environment/requirements.txt")
         status = "FAILED"
