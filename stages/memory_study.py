@@ -77,13 +77,11 @@ class Config:
 
 
 def technique_config(train: loop.TrainConfig, name: str, overrides) -> loop.TrainConfig:
-    """The train section with a technique's overrides (checked like the section itself)."""
+    """The train section with a technique's overrides, checked like the section itself (a ConfigError
+    naming memory_study.techniques.<name>.<key>)."""
     if not isinstance(overrides, dict):
         raise ValueError(f"techniques.{name} must be a mapping of train keys, got {overrides!r}")
-    try:
-        return config.build(loop.TrainConfig, f"techniques.{name}", {**config.as_dict(train), **overrides})
-    except config.ConfigError as e:
-        raise ValueError(str(e).split(": ", 1)[1].removeprefix(f"{STAGE}.")) from None
+    return config.build(loop.TrainConfig, f"{STAGE}.techniques.{name}", {**config.as_dict(train), **overrides})
 
 
 # ------------------------------------------------------------------------------------------ one run
@@ -105,9 +103,11 @@ def measure(spec: dict) -> dict:
     if importlib.util.find_spec("bitsandbytes"):
         import bitsandbytes  # noqa: F401  loaded in every run, so its code is not counted as one technique's memory
     runtime.seed_everything(train.seed)
-    model = pretrain.build_model(pretrain.ModelConfig(**spec["model"]), shards.read_meta(inp))
+    model = pretrain.build_model(pretrain.ModelConfig(**spec["model"]), shards.read_meta(inp)).to(rt.device)
     tokens = shards.load_split(inp, "train")
     ctypes.CDLL(None).malloc_trim(0)
+    if cuda:  # the weights are on the device before the baseline is read; paged states are not counted
+        torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() / 2**20 if cuda else status_mb("VmRSS")
     with tempfile.TemporaryDirectory() as folder:
         result = loop.train(
@@ -135,6 +135,7 @@ def run_fresh(spec: dict) -> dict:
         capture_output=True,
         text=True,
         env={**os.environ, **MALLOC_ENV},
+        preexec_fn=runtime.die_with_parent,  # a killed study leaves no run behind
     )
     if proc.returncode != 0:
         raise RuntimeError(f"memory_study: the run {spec['name']} at {spec['context']} failed:\n{proc.stderr[-3000:]}")
@@ -286,7 +287,11 @@ def main(argv=None) -> dict:
 
     def body(rt, stop):
         if rt.distributed:
-            raise config.UserError(f"{STAGE}: runs its measurements one process at a time; run it without torchrun")
+            raise config.UserError(
+                f"{STAGE}: measures one process at a time; run it with one process (PIPELINE_NPROC_PER_NODE=1)"
+            )
+        for name, overrides in cfg.techniques.items():  # as each run will see them
+            stage.check_train(f"{STAGE}.techniques.{name}", technique_config(cfg.train, name, overrides), rt)
         return run(cfg, inp, output, rt)
 
     return stage.launch(STAGE, body)

@@ -122,6 +122,12 @@ def test_a_mapping_field_is_overridden_key_by_key():
 
     cfg = config.load(Config, "extend_context", ROOT / "params.yaml", ["variants.yarn.beta_fast=4"])
     assert cfg.variants["yarn"] == {"rope_type": "yarn", "beta_fast": 4, "beta_slow": 1}
+    assert set(cfg.variants) == {"linear", "dynamic", "yarn", "llama3"}
+    # a whole mapping given replaces it (so entries can be left out)
+    cfg = config.load(
+        Config, "extend_context", ROOT / "params.yaml", ["variants={lin: {rope_type: linear}}", "finetune=[]"]
+    )
+    assert cfg.variants == {"lin": {"rope_type": "linear"}}
 
 
 @pytest.mark.parametrize(
@@ -134,7 +140,7 @@ def test_a_mapping_field_is_overridden_key_by_key():
         ),
         (["lr=1"], "unknown key pretrain.lr (did you mean pretrain.train.lr?)"),
         (["train=3"], "section 'pretrain.train' must be a mapping of keys (steps, batch_size, "),
-        (["context_length.x=1"], "pretrain.context_length must be an int, got {'x': 1}"),
+        (["context_length.x=1"], "sets a key inside pretrain.context_length, which is a value"),
         (["train.strategy=zero"], "pretrain.train.strategy: unknown strategy 'zero'; valid: ddp, fsdp"),
         (["model.n_heads=3"], "pretrain.model.hidden_size must be a multiple of n_heads"),
         (["train.min_lr=0.1"], "pretrain.train.min_lr must be between 0 and lr (0.001), got 0.1"),
@@ -164,7 +170,12 @@ def test_offload_is_refused_where_it_cannot_act():
     train = load_pretrain(["train.strategy=fsdp", "train.offload=true"]).train
     two_cpus = runtime.Runtime(0, 2, 0, 2, torch.device("cpu"))
     with pytest.raises(config.UserError, match="pretrain.train.offload: .* this run is on cpu, where they are there"):
-        stage.check_train("pretrain", train, two_cpus)
+        stage.check_train("pretrain.train", train, two_cpus)
     with pytest.raises(config.UserError, match="pretrain.train.offload: .* a single process"):
-        stage.check_train("pretrain", train, runtime.Runtime(0, 1, 0, 1, torch.device("cuda", 0)))
-    stage.check_train("pretrain", train, runtime.Runtime(0, 2, 0, 2, torch.device("cuda", 0)))  # where it acts
+        stage.check_train("pretrain.train", train, runtime.Runtime(0, 1, 0, 1, torch.device("cuda", 0)))
+    stage.check_train("pretrain.train", train, runtime.Runtime(0, 2, 0, 2, torch.device("cuda", 0)))  # where it acts
+
+
+def test_every_dag_stage_is_a_known_params_section():
+    """An override naming another stage's section is refused (config.STAGE_SECTIONS): it lists them all."""
+    assert set(config.STAGE_SECTIONS) == set(load_table())

@@ -70,12 +70,16 @@ def test_every_technique_is_measured_and_the_rows_follow_the_table(tokenized, tm
             {"techniques": {"baseline": {}, "odd": {"optimizer": "sgd"}}},
             "memory_study.techniques.odd.optimizer: unknown optimizer 'sgd'",
         ),
-        ({"techniques": {"baseline": {}, "odd": {"lrr": 1}}}, "unknown key techniques.odd.lrr"),
+        ({"techniques": {"baseline": {}, "odd": {"lrr": 1}}}, "unknown key memory_study.techniques.odd.lrr; valid"),
+        (
+            {"techniques": {"baseline": {}, "odd": {"micro_batch_size": 3}}},
+            "memory_study.techniques.odd.batch_size (2) must be a multiple of micro_batch_size x processes (3 x 1)",
+        ),
         ({"contexts": [64, 4096]}, "contexts must be lengths between 2 and model.max_position_embeddings (256)"),
     ],
 )
 def test_bad_params_fail_before_any_run(tokenized, tmp_path, section, message):
     params = params_with(tokenized, tmp_path, **section)
-    with pytest.raises(config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(config.UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         memory_study.main(["--params", params, "--input", str(tokenized / "data/tokenize"), "--output", "x"])
     assert not (tmp_path / "x").exists()

@@ -52,6 +52,8 @@ def folder(final: str | Path, rt: runtime.Runtime | None = None):
                 shutil.rmtree(tmp, ignore_errors=True)
         if collective:
             runtime.barrier()
+    if not all_ok:  # only reached where this rank's own part succeeded
+        raise RuntimeError(f"another rank failed while writing {final}; it was not published")
 
 
 def write_text(path: str | Path, text: str) -> None:

@@ -13,6 +13,7 @@ command line (`train.lr=3e-4`) are parsed as YAML values and checked the same wa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import types
@@ -39,6 +40,7 @@ STAGE_SECTIONS = (
     "finetune_qlora",
     "train_gnn",
     "context_study",
+    "memory_study",
     "report",
 )
 
@@ -161,10 +163,13 @@ def build(cls: type, section: str, values: Any, source: str = "params.yaml"):
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        hint = "".join(
-            f" (did you mean {section}.{name}.{unknown[0]}?)"
-            for name in fields
-            if is_section(hints[name]) and unknown[0] in {f.name for f in dataclasses.fields(hints[name])}
+        hint = next(
+            (
+                f" (did you mean {section}.{name}.{unknown[0]}?)"
+                for name in fields
+                if is_section(hints[name]) and unknown[0] in {f.name for f in dataclasses.fields(hints[name])}
+            ),
+            "",
         )
         raise ConfigError(
             f"{source}: unknown key {section}.{unknown[0]}{hint}; valid keys are: {', '.join(sorted(fields))}"
@@ -186,15 +191,18 @@ def build(cls: type, section: str, values: Any, source: str = "params.yaml"):
         kwargs[name] = conv
     try:
         return cls(**kwargs)
+    except ConfigError:  # a check that built a config of its own names its keys already
+        raise
     except ValueError as e:  # __post_init__ range checks
         raise ConfigError(f"{source}: {section}.{e}") from None
 
 
-def parse_overrides(section: str, overrides: list[str]) -> dict:
-    """`key=value` pairs as a nested mapping; keys are dotted paths inside the section, optionally
-    prefixed by the section's name (`train.lr=3e-4`, `pretrain.train.lr=3e-4`); values are YAML
-    scalars or flow collections (`lr=3e-4`, `tags=[a,b]`)."""
-    out: dict = {}
+def apply_overrides(section: str, values: dict, overrides: list[str]) -> dict:
+    """The section with `key=value` overrides applied. Each key is a dotted path inside the section,
+    optionally led by the section's name (`train.lr=3e-4`, `pretrain.train.lr=3e-4`), and its value (a
+    YAML scalar or flow collection) replaces what is at that path: `variants.yarn.beta_fast=4` one key of
+    a mapping, `variants={linear: {rope_type: linear}}` the whole mapping."""
+    out = copy.deepcopy(values)
     for item in overrides:
         key, sep, raw = item.partition("=")
         path = key.split(".")
@@ -209,10 +217,13 @@ def parse_overrides(section: str, overrides: list[str]) -> dict:
         except yaml.YAMLError:
             value = raw
         node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"command line: override '{item}' sets a key inside {part}, which is a value")
+        for depth, part in enumerate(path[:-1], 1):
+            if node.get(part) is None:
+                node[part] = {}
+            if not isinstance(node[part], dict):
+                where = ".".join([section, *path[:depth]])
+                raise ConfigError(f"command line: override '{item}' sets a key inside {where}, which is a value")
+            node = node[part]
         node[path[-1]] = value
     return out
 
@@ -226,7 +237,7 @@ def load(cls: type, section: str, params: str | Path = "params.yaml", overrides:
     if overrides:
         if not isinstance(values, dict):
             raise ConfigError(f"{params}: section '{section}' must be a mapping of keys, got {values!r}")
-        values = merge(values, parse_overrides(section, list(overrides)))
+        values = apply_overrides(section, values, list(overrides))
     return build(cls, section, values, source=str(params))
 
 

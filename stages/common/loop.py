@@ -182,7 +182,8 @@ def decoder_layers(model):
 
 def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
     """Put the model on the device and under DDP or FSDP2 (one process: unwrapped)."""
-    if any(p.device != rt.device for p in model.parameters()):
+    # (with offload the parameters stay on the host: fully_shard places the shards)
+    if not cfg.offload and any(p.device != rt.device for p in model.parameters()):
         model.to(rt.device)  # quantized models are loaded onto their device already
     if cfg.activation_checkpointing != "none":
         every = cfg.activation_checkpointing_every if cfg.activation_checkpointing == "selective" else 1
@@ -231,9 +232,9 @@ def make_optimizer(model, cfg: TrainConfig):
 
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of this process's optimizer states (moments, and 8-bit optimizers' block scales)."""
-    return sum(
-        v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)
-    )
+    states = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    states = [getattr(v, "_local_tensor", v) for v in states]  # a DTensor's own shard under FSDP
+    return sum(v.numel() * v.element_size() for v in states)
 
 
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

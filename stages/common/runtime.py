@@ -53,8 +53,10 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         return
 
 
-def init(timeout_s: int = 1800) -> Runtime:
-    """Join the process group when launched by torchrun; pick the device; share the cores."""
+def init(timeout_s: int = 1800, cpu_collectives: bool = False) -> Runtime:
+    """Join the process group when launched by torchrun; pick the device; share the cores. With
+    `cpu_collectives` on GPUs, collectives on CPU tensors get gloo beside nccl (FSDP2's CPU offload
+    reduces and clips gradients that live on the host)."""
     if "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("PIPELINE_LAUNCHED"):
         die_with_parent()  # torchrun's workers run in sessions of their own; they go when it goes
     rank = int(os.environ.get("RANK", 0))
@@ -71,7 +73,7 @@ def init(timeout_s: int = 1800) -> Runtime:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
             torch.set_num_threads(max(1, (cores or 1) // local_world_size))
     if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return Runtime(rank, world_size, local_rank, local_world_size, device)
 

@@ -16,9 +16,10 @@ and a training stage's `run`:
 
 (the lock first: a second run of the same params and inputs stops before it opens an MLflow run).
 
-The stop protocol: SIGTERM or SIGINT (preemption, a SLURM time limit, Ctrl-C) lets the step finish,
-the loop saves a checkpoint, `stage.train` raises `Stopped`, and `launch` leaves the process group and
-exits with 143 (128 + SIGTERM), the code schedulers read as "preempted, re-run to resume".
+The stop protocol of a training stage (one that passes its `train` section to `launch`): SIGTERM or
+SIGINT (preemption, a SLURM time limit, Ctrl-C) lets the step finish, the loop saves a checkpoint,
+`stage.train` raises `Stopped`, and `launch` leaves the process group and exits with 143 (128 +
+SIGTERM), the code schedulers read as "preempted, re-run to resume". Other stages stop at once.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -73,42 +75,49 @@ def setup(doc: str, section: str, cls: type, paths: dict, argv=None):
     return args, config.load(cls, section, args.params, overrides)
 
 
-def check_train(section: str, train: loop.TrainConfig, rt: runtime.Runtime) -> None:
-    """What the train section can only be checked against once the processes and device are known."""
+def check_train(where: str, train: loop.TrainConfig, rt: runtime.Runtime) -> None:
+    """What a train section (at the dotted path `where`, e.g. pretrain.train) can only be checked against
+    once the processes and the device are known; before any compute."""
     try:
         loop.grad_accum_steps(train, rt.world_size)
     except ValueError as e:
-        raise config.UserError(f"params.yaml: {section}.train.{e}") from None
+        raise config.UserError(f"params.yaml: {where}.{e}") from None
     if train.offload and not rt.distributed:
         raise config.UserError(
-            f"params.yaml: {section}.train.offload: FSDP2's CPU offload shards over the processes of a torchrun "
-            f"run; this one has a single process: run it with torchrun --nproc-per-node 2 or more, or set it false"
+            f"params.yaml: {where}.offload: FSDP2's CPU offload shards over the processes of a torchrun run; "
+            f"this one has a single process: run it with torchrun --nproc-per-node 2 or more, or set it false"
         )
     if train.offload and rt.device.type != "cuda":
         raise config.UserError(
-            f"params.yaml: {section}.train.offload: FSDP2's CPU offload moves parameters, gradients and optimizer "
+            f"params.yaml: {where}.offload: FSDP2's CPU offload moves parameters, gradients and optimizer "
             f"states from GPU memory to the host; this run is on {rt.device.type}, where they are there already: "
             f"set it false"
         )
 
 
 def launch(section: str, body, train: loop.TrainConfig | None = None):
-    """Join the process group, install the stop-signal handler, run `body(rt, stop)` and leave the group
-    (also on errors: a wrapped model must be gone before, which is why it lives only inside `body`).
-    A `Stopped` body exits with 143 after teardown."""
-    rt = runtime.init()
-    stop = runtime.handle_signals()
+    """Join the process group, run `body(rt, stop)` and leave the group (also on errors: a wrapped model
+    must be gone before, which is why it lives only inside `body`). With a `train` section the stage
+    checkpoints, so SIGTERM and SIGINT set `stop` instead of ending the process (the loop saves and
+    `stage.train` raises Stopped: exit 143 after teardown); other stages keep Python's handlers and
+    stop at once."""
+    rt = runtime.init(cpu_collectives=train is not None and train.offload)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop = runtime.handle_signals() if train is not None else runtime.StopFlag()
+    stopped = False
     try:
         if train is not None:
-            check_train(section, train, rt)
+            check_train(f"{section}.train", train, rt)
         return body(rt, stop)
     except Stopped:
         stopped = True
     finally:
         runtime.teardown()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     if stopped:
-        if os.environ.get("PIPELINE_STOPPED_FILE") and os.environ.get("RANK", "0") == "0":
-            Path(os.environ["PIPELINE_STOPPED_FILE"]).touch()  # tells pipelines.launch (under torchrun)
+        if os.environ.get("PIPELINE_STOPPED_FILE") and os.environ.get("LOCAL_RANK", "0") == "0":
+            Path(os.environ["PIPELINE_STOPPED_FILE"]).touch()  # tells this node's pipelines.launch
         raise SystemExit(STOPPED_EXIT_CODE)  # preempted: a checkpoint holds the progress; re-running resumes
 
 
