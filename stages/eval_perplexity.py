@@ -39,7 +39,6 @@ import csv
 import dataclasses
 import gc
 import itertools
-import json
 import math
 import re
 import sys
@@ -128,10 +127,7 @@ def check_checkpoint(spec: ModelSpec):
     """The model's config, after checking that every file it needs is there (no weights are read)."""
     from transformers import AutoConfig
 
-    for folder, cfg_name, weights in (
-        (spec.path, "config.json", ckpt.MODEL_WEIGHT_FILES),
-        (spec.adapter, "adapter_config.json", ckpt.ADAPTER_WEIGHT_FILES),
-    ):
+    for folder, cfg_name, adapter in ((spec.path, "config.json", False), (spec.adapter, "adapter_config.json", True)):
         if folder is None:
             continue
         where = f"eval_perplexity: --models {spec.label}: {folder}"
@@ -142,16 +138,9 @@ def check_checkpoint(spec: ModelSpec):
             )
         if not (folder / cfg_name).is_file():
             raise config.UserError(f"{where} has no {cfg_name}; it is not a complete checkpoint (save_pretrained)")
-        found = [w for w in weights if (folder / w).is_file()]
-        if not found:
-            raise config.UserError(f"{where} has no weights ({' or '.join(weights)}); the checkpoint is incomplete")
-        if found[0].endswith(".index.json"):  # sharded: every shard the index names must be there
-            shard_files = json.loads((folder / found[0]).read_text())["weight_map"].values()
-            missing = sorted(f for f in set(shard_files) if not (folder / f).is_file())
-            if missing:
-                raise config.UserError(
-                    f"{where} lacks {missing[0]} (listed in {found[0]}); the checkpoint is incomplete"
-                )
+        problem = ckpt.weights_problem(folder, adapter)
+        if problem:
+            raise config.UserError(f"{where} {problem}; the checkpoint is incomplete")
     return AutoConfig.from_pretrained(spec.path)
 
 

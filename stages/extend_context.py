@@ -130,10 +130,9 @@ def check_inputs(base: Path, data: Path, cfg: Config):
 
     if not (base / "config.json").is_file():
         raise config.UserError(f"extend_context: {base} has no config.json; pass --base a Hugging Face model folder")
-    if not ckpt.has_weights(base):
-        raise config.UserError(
-            f"extend_context: {base} has no weights (model.safetensors); the checkpoint is incomplete"
-        )
+    problem = ckpt.weights_problem(base)
+    if problem:
+        raise config.UserError(f"extend_context: {base} {problem}; the checkpoint is incomplete")
     base_config = AutoConfig.from_pretrained(base)
     rope_type = (base_config.rope_parameters or {}).get("rope_type", "default")
     if rope_type != "default":

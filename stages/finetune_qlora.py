@@ -119,10 +119,11 @@ def check_base(cfg: Config) -> dict:
                 f"finetune_qlora.base: {path} holds no config.json; run the pretrain stage first "
                 f"or set finetune_qlora.base to a model folder or hub id"
             )
-        if not ckpt.has_weights(path):
+        problem = ckpt.weights_problem(path)
+        if problem:
             raise config.UserError(
-                f"finetune_qlora.base: {path} has no weights ({' or '.join(ckpt.MODEL_WEIGHT_FILES[:2])}); "
-                f"re-run the stage that wrote it or point base at a complete model folder"
+                f"finetune_qlora.base: {path} {problem}; re-run the stage that wrote it or point base at a "
+                f"complete model folder"
             )
     try:
         mc = AutoConfig.from_pretrained(cfg.base)

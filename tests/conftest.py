@@ -15,6 +15,18 @@ _mirror_env = os.environ.get("PIPELINE_DATA_MIRROR")
 MIRROR = Path(_mirror_env) if _mirror_env else ROOT.parent / "shared" / "data"
 
 
+# The tiny Llama the stage tests train (2 layers of width 64, context 64): pretrain overrides.
+TINY_MODEL = [
+    "model.n_layers=2",
+    "model.hidden_size=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.intermediate_size=128",
+    "model.max_position_embeddings=64",
+    "context_length=64",
+]
+
+
 def stage_env(workdir: Path, **extra) -> dict:
     env = {
         **os.environ,

@@ -12,20 +12,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, loss_curve, run_stage
+from conftest import ROOT, TINY_MODEL, loss_curve, run_stage
 
 from stages import finetune_qlora as ft
 from stages import pretrain
 from stages.common import config, instructions, loop, runtime
 
 PRETRAIN = [
-    "model.n_layers=2",
-    "model.hidden_size=64",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.intermediate_size=128",
-    "model.max_position_embeddings=64",
-    "context_length=64",
+    *TINY_MODEL,
     "train.steps=4",
     "train.batch_size=8",
     "train.micro_batch_size=4",

@@ -7,20 +7,14 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import loss_curve, run_stage
+from conftest import TINY_MODEL, loss_curve, run_stage
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA GPU here: bf16/nccl paths run on GPU machines"
 )
 
 TINY = [
-    "model.n_layers=2",
-    "model.hidden_size=64",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.intermediate_size=128",
-    "model.max_position_embeddings=64",
-    "context_length=64",
+    *TINY_MODEL,
     "train.steps=12",
     "train.batch_size=8",
     "train.micro_batch_size=4",
