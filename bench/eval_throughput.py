@@ -1,9 +1,11 @@
 """Perplexity-evaluation throughput: the eval_perplexity stage vs a one-window-at-a-time loop.
 
     python bench/eval_throughput.py [--tokens 16384] [--context 256] [--stride 256] [--batch-size 16]
-        [--repeats 3] [--no-bf16]
+        [--repeats 3] [--no-bf16] [--precision auto|fp32|bf16] [--hidden 256] [--layers 4] [--heads 8]
+        [--ffn 688] [--json FILE]
 
-Builds a 5.3M-parameter Llama (hidden 256, 4 layers, 8 heads, ffn 688, random weights) and the
+Builds a 5.3M-parameter Llama (hidden 256, 4 layers, 8 heads, ffn 688, random weights; the sizes are
+options) and the
 tokenize stage's byte-level BPE (vocab 4096) trained on TinyShakespeare (from PIPELINE_DATA_MIRROR or
 the internet), saves both as a Hugging Face checkpoint, and evaluates the first `--tokens` tokens of
 the text, same model, context and stride, in one process:
@@ -14,7 +16,8 @@ the text, same model, context and stride, in one process:
             number of scored tokens, summed; the same windows and targets as the stage
 alternating `--repeats` times, and prints the best tokens/s of each, their ratio (goal: stage /
 baseline >= 10) and whether the perplexities agree. Both run on the device the stage picks (CUDA when
-available, in bf16; else the CPU in fp32).
+available, in bf16; else the CPU in fp32), in the dtype `--precision` picks (the stage's `precision`:
+`fp32` on a GPU compares the two loops without bf16 rounding). `--json FILE` writes the figures.
 
 It also prints the bound physics puts on that ratio: the baseline's model FLOP/s (forward FLOPs per
 token = 2 x non-embedding parameters, output head included, + 4 x layers x context x hidden, times
@@ -34,6 +37,7 @@ batch-1 forward pass of a small model is bound by kernel launches, not by arithm
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -100,6 +104,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 runs on CPUs that have bf16 instructions")
+    parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--ffn", type=int, default=688)
+    parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -116,10 +126,10 @@ def main() -> None:
         model = LlamaForCausalLM(
             LlamaConfig(
                 vocab_size=len(tok),
-                hidden_size=256,
-                intermediate_size=688,
-                num_hidden_layers=4,
-                num_attention_heads=8,
+                hidden_size=args.hidden,
+                intermediate_size=args.ffn,
+                num_hidden_layers=args.layers,
+                num_attention_heads=args.heads,
                 max_position_embeddings=args.context,
                 tie_word_embeddings=False,
                 bos_token_id=0,
@@ -147,6 +157,7 @@ def main() -> None:
             f"batch_size={args.batch_size}",
             "max_tokens=0",
             "prepend_bos=true",
+            f"precision={args.precision}",
         ]
         # The same token stream the stage evaluates: bos, then the text's ids.
         stream = eval_perplexity.text_stream(
@@ -161,17 +172,15 @@ def main() -> None:
                 position_buckets=(),
                 max_tokens=0,
                 prepend_bos=True,
-                precision="auto",
+                precision=args.precision,
             ),
         ).ids
         device = runtime.init().device
-        model = (
-            AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=runtime.compute_dtype(device)).to(device).eval()
-        )
+        dtype = runtime.compute_dtype(device, args.precision)
+        model = AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=dtype).to(device).eval()
         base_tps, stage, rate = 0.0, None, 0.0
-        dtype = runtime.compute_dtype(device)
         # bf16 beside fp32 on CPUs that compute it natively (on GPUs the stage is in bf16 already)
-        bf16 = device.type == "cpu" and runtime.cpu_has_native_bf16() and not args.no_bf16
+        bf16 = device.type == "cpu" and dtype == torch.float32 and runtime.cpu_has_native_bf16() and not args.no_bf16
         stage_bf16, rate_bf16 = None, 0.0
         for _ in range(args.repeats):
             m = eval_perplexity.main(stage_args)["models"]["bench"][f"ctx{args.context}"]
@@ -189,9 +198,26 @@ def main() -> None:
     base_ppl = math.exp(nll_sum / n_tokens)
     rel = abs(stage["perplexity"] - base_ppl) / base_ppl
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # bf16 logits round differently per batch shape
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    if args.json:
+        figures = {
+            "device": where,
+            "dtype": str(dtype),
+            "parameters": params,
+            "context": args.context,
+            "batch_size": args.batch_size,
+            "stage_tokens_per_s": stage["tokens_per_s"],
+            "baseline_tokens_per_s": base_tps,
+            "ratio": stage["tokens_per_s"] / base_tps,
+            "stage_perplexity": stage["perplexity"],
+            "baseline_perplexity": base_ppl,
+            "relative_difference": rel,
+            "baseline_fraction_of_matmul": base_fraction,
+        }
+        args.json.write_text(json.dumps(figures, indent=1))
     print(
         f"model: Llama {params / 1e6:.1f}M params (random weights), vocab {len(tok)}, {device} {dtype}, "
-        f"{torch.get_num_threads()} threads; text: TinyShakespeare, {len(stream):,} tokens; "
+        f"{where}; text: TinyShakespeare, {len(stream):,} tokens; "
         f"context {args.context}, stride {args.stride}; best of {args.repeats}"
     )
     print(

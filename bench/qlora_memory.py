@@ -1,6 +1,7 @@
 """QLoRA memory: peak memory of LoRA fine-tuning on an NF4 base vs on the unquantized base, in one run.
 
-    python bench/qlora_memory.py [--hidden 1024] [--layers 16] [--steps 2]
+    python bench/qlora_memory.py [--hidden 1024] [--layers 16] [--steps 2] [--batch 4] [--seq 128]
+        [--device auto|cpu|cuda] [--json FILE]
 
 A random-initialized Llama (hidden 1024, 16 layers, MLP 2816, vocab 32000: ~270M parameters) is saved
 once; then each variant runs in a fresh process of its own (so each peak is its own): load the base
@@ -13,6 +14,11 @@ tokens with activation checkpointing. Figures printed, nf4 / none:
                           weight file read while loading)
   linear-layer weights    bytes of the decoder layers' linear weights as stored (QLoRA: ~4.127/32 of fp32)
 Goal: nf4 linear-layer weights <= 0.35x, and a clearly lower peak anonymous memory.
+
+On a GPU (`--device auto` picks CUDA when there is one) the variants load as finetune_qlora does there:
+NF4 with bf16 quant storage and bf16 compute, against LoRA on the bf16 base; the figure that counts is
+the CUDA allocator's peak (`torch.cuda.max_memory_allocated`, from before loading to the last step).
+Goal there: nf4 peak CUDA memory <= 0.45x bf16 LoRA's on a ~1B model (--hidden 2048 --layers 16).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ def status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def child(base: str, quantization: str, steps: int) -> dict:
+def child(base: str, quantization: str, steps: int, device: str, batch: int, seq: int) -> dict:
     """One variant in this process: load, add adapters, train a few steps; memory figures in MiB."""
     import torch
 
@@ -52,29 +58,36 @@ def child(base: str, quantization: str, steps: int) -> dict:
             peak["anon"] = max(peak["anon"], status_kib("RssAnon"))
             time.sleep(0.005)
 
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     start = status_kib("RssAnon")
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     params = config.read_yaml(Path(__file__).resolve().parent.parent / "params.yaml")["finetune_qlora"]
     overrides = {"base": base, "quantization": quantization, "lora": {"r": 16}}
     cfg = config.build(ft.Config, ft.STAGE, config.merge(params, overrides))
-    device = torch.device("cpu")
     model = ft.load_base(cfg, device, quantization == "nf4")
     linear_bytes, _ = ft.linear_weight_memory(model)
     model = ft.add_adapters(model, cfg)
     model.activation_checkpointing_enable()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    x = torch.randint(0, model.config.vocab_size, (4, 128))
+    x = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = model(input_ids=x, labels=x, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     seconds = (time.perf_counter() - t0) / steps
     done.set()
     sampler.join()
+    cuda = {"peak_cuda_mb": torch.cuda.max_memory_allocated(device) / 2**20} if device.type == "cuda" else {}
     return {
+        **cuda,
+        "dtype": str(next(p for p in model.parameters() if p.requires_grad).dtype),
         "peak_anon_mb": (peak["anon"] - start) / 1024,
         "peak_rss_mb": status_kib("VmHWM") / 1024,
         "linear_weight_mb": linear_bytes / 2**20,
@@ -88,12 +101,19 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--child", nargs=2, metavar=("BASE", "QUANTIZATION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(*args.child, args.steps)))
-        return
     import torch
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.child:
+        print(json.dumps(child(*args.child, args.steps, args.device, args.batch, args.seq)))
+        return
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with tempfile.TemporaryDirectory(prefix="qlora-bench-") as tmp:
@@ -115,18 +135,29 @@ def main() -> None:
         runs = {}
         for quantization in ("nf4", "none"):
             out = subprocess.run(
-                [sys.executable, __file__, "--child", tmp, quantization, "--steps", str(args.steps)],
+                [
+                    sys.executable,
+                    __file__,
+                    *("--child", tmp, quantization, "--steps", str(args.steps), "--device", args.device),
+                    *("--batch", str(args.batch), "--seq", str(args.seq)),
+                ],
                 capture_output=True,
                 text=True,
                 check=True,
             )
             runs[quantization] = json.loads(out.stdout.strip().splitlines()[-1])
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(
         f"Llama {n_params / 1e6:.0f}M parameters (hidden {args.hidden}, {args.layers} layers), LoRA r=16 on all "
-        f"linear layers, batch 4 x 128, {args.steps} AdamW steps, fp32 compute, CPU"
+        f"linear layers, batch {args.batch} x {args.seq}, {args.steps} AdamW steps, "
+        f"{runs['none']['dtype'].removeprefix('torch.')} compute, {where}"
     )
+    if args.json:
+        args.json.write_text(json.dumps({"device": where, "parameters": n_params, **runs}, indent=1))
     print(f"{'':24s} {'nf4':>10s} {'none':>10s} {'nf4 / none':>11s}")
+    cuda = (("peak_cuda_mb", "peak CUDA memory (MiB)"),) if args.device == "cuda" else ()
     for key, label in (
+        *cuda,
         ("peak_anon_mb", "peak anonymous (MiB)"),
         ("peak_rss_mb", "peak resident (MiB)"),
         ("linear_weight_mb", "linear weights (MiB)"),

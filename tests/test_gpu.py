@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_MODEL, loss_curve, run_stage
+from conftest import ROOT, TINY_MODEL, loss_curve, run_stage, stage_env
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA GPU here: bf16/nccl paths run on GPU machines"
@@ -38,6 +40,33 @@ def test_bf16_on_one_gpu_trains_and_saves_a_loadable_model(tokenized):
     model = AutoModelForCausalLM.from_pretrained(tokenized / "gpu1/model")
     assert next(model.parameters()).dtype == torch.float32, "weights are kept and saved in fp32"
     assert json.loads((tokenized / "gpu1/metrics.json").read_text())["tokens_per_s"] > 0
+
+
+def test_nccl_group_of_one_and_fsdp2_bf16_policy_train_like_one_process(tmp_path):
+    """On one GPU: a nccl process group of one, and the loop's FSDP2 branch (bf16 parameters, fp32
+    reduction) through it, gives the losses of the unwrapped bf16 model."""
+    out = tmp_path / "probe.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=1",
+            str(ROOT / "tests/fsdp_one_rank_probe.py"),
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=stage_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["backend"] == "nccl" and result["world_size"] == 1 and result["dtype"] == "torch.bfloat16"
+    assert np.isfinite(result["fsdp"]).all() and result["fsdp"][-1] < result["fsdp"][0]
+    np.testing.assert_allclose(result["fsdp"], result["plain"], rtol=2e-2)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl with 2 processes needs 2 GPUs")

@@ -27,6 +27,16 @@ from stages.common import runtime
 EXPERIMENT = os.environ.get("MLFLOW_EXPERIMENT_NAME", "pipeline")
 
 
+def tracking_off() -> bool:
+    """`PIPELINE_TRACKING=off`: stages log nothing to MLflow (a machine without it); outputs are unchanged."""
+    value = os.environ.get("PIPELINE_TRACKING", "on").strip().lower()
+    if value not in ("on", "off"):
+        from stages.common.config import UserError
+
+        raise UserError(f"PIPELINE_TRACKING must be 'on' or 'off', got {value!r}")
+    return value == "off"
+
+
 def tracking_uri(root: Path | None = None) -> str:
     root = Path(root or Path.cwd()).resolve()
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
@@ -220,7 +230,7 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
     Tags: stage, git commit, input content hash, pipeline invocation, world size, device; params
     are the stage's params section; the environment (`pip freeze`) is an artifact.
     """
-    if not rt.is_main:
+    if not rt.is_main or tracking_off():
         yield Tracker(None)
         return
     # Rank 0 only (some stages open their run on rank 0 alone); under torchrun its exit stops the others.
