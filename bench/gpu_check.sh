@@ -7,7 +7,8 @@
 #   bench/gpu_check.sh OUTDIR          on the GPU machine, from the repository root, with DIR beside it
 #   bench/gpu_check.sh --dry OUTDIR    the same code at tiny sizes on this machine's CPU (a minute or two)
 #
-# Steps, each under a time limit of its own (a hang loses that step only), each one's log in OUTDIR:
+# Steps, each under a time limit of its own (a hang loses that step only; 570 s in all, within a 10-minute
+# session on a lent machine), each one's log in OUTDIR:
 #   tests.log     pytest tests/test_gpu.py: bf16 compute, a nccl group of one with FSDP2's bf16 policy,
 #                 YaRN fine-tuning, QLoRA with bf16 storage, paged 8-bit AdamW (2-GPU tests skip on one)
 #   pretrain.log  bench/pretrain_mfu.py: ~950M-parameter Llama, context 2048, bf16, compile: tokens/s, MFU
@@ -29,7 +30,7 @@ if [ "${1:-}" = "--pack" ]; then
   for name in bitsandbytes ruamel.yaml; do
     version=$(grep -i "^$name==" requirements.lock | cut -d= -f3)
     [ -n "$version" ] || { echo "gpu_check: $name is not pinned in requirements.lock" >&2; exit 2; }
-    python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${PYTHON:-python3}" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 -d "$dest/wheels" "$name==$version" || exit 2
   done
@@ -110,7 +111,7 @@ step() {  # step NAME LOG SECONDS COMMAND...: run it under its limit, appending 
 }
 
 : >"$OUT/tests.log" >"$OUT/pretrain.log" >"$OUT/eval.log" >"$OUT/qlora.log"
-step tests tests.log 200 $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
+step tests tests.log 150 $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
 if [ $DRY -eq 1 ]; then
   step pretrain pretrain.log 120 $PY bench/pretrain_mfu.py --dry --profile "$OUT/profile.txt" --json "$PARTS/pretrain.json"
   tiny=(--tokens 2048 --repeats 1 --hidden 64 --layers 2 --heads 4 --ffn 160 --no-bf16)
@@ -118,9 +119,9 @@ if [ $DRY -eq 1 ]; then
   step eval_fp32 eval.log 60 $PY bench/eval_throughput.py "${tiny[@]}" --precision fp32 --json "$PARTS/eval_fp32.json"
   step qlora qlora.log 90 $PY bench/qlora_memory.py --hidden 64 --layers 2 --json "$PARTS/qlora.json"
 else
-  step pretrain pretrain.log 200 $PY bench/pretrain_mfu.py --profile "$OUT/profile.txt" --json "$PARTS/pretrain.json"
-  step eval eval.log 60 $PY bench/eval_throughput.py --tokens 65536 --json "$PARTS/eval.json"
-  step eval_fp32 eval.log 60 $PY bench/eval_throughput.py --tokens 65536 --precision fp32 --json "$PARTS/eval_fp32.json"
+  step pretrain pretrain.log 180 $PY bench/pretrain_mfu.py --profile "$OUT/profile.txt" --json "$PARTS/pretrain.json"
+  step eval eval.log 45 $PY bench/eval_throughput.py --tokens 65536 --json "$PARTS/eval.json"
+  step eval_fp32 eval.log 45 $PY bench/eval_throughput.py --tokens 65536 --precision fp32 --json "$PARTS/eval_fp32.json"
   step qlora qlora.log 150 $PY bench/qlora_memory.py --hidden 2048 --layers 16 --batch 4 --seq 512 --steps 3 \
     --json "$PARTS/qlora.json"
 fi
