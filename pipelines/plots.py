@@ -1,11 +1,11 @@
 """Offline page for `dvc plots show`.
 
 DVC's default page loads Vega, Vega-Lite and Vega-Embed from a CDN, so without network its line plots
-stay blank. This writes the HTML template that `.dvc/config` names (`plots.html_template`) with those
-libraries inlined from the installed vl-convert-python, so `dvc plots show` renders with no network:
+stay blank. This writes an HTML template with those libraries inlined from the installed
+vl-convert-python, so that `dvc plots show` given it renders with no network (`make plots` does both):
 
-    python -m pipelines.plots        # writes .dvc/plots/offline.html (make does it after installing)
-    dvc plots show                   # dvc_plots/index.html, self-contained
+    python -m pipelines.plots                                     # writes .dvc/plots/offline.html
+    dvc plots show --html-template .dvc/plots/offline.html        # dvc_plots/index.html, self-contained
 """
 
 import argparse

@@ -31,10 +31,10 @@ HEADER = """\
 
 
 def collect(data: Path) -> dict:
-    """{eval stage label: {model: {context: perplexity}}} from data/eval_perplexity/*/metrics.json."""
+    """{eval stage label: {model: {context: perplexity}}} from data/eval_perplexity/*/figures.json."""
     metrics = {
         f"eval_perplexity/{p.parent.name}": json.loads(p.read_text())
-        for p in sorted((data / "eval_perplexity").glob("*/metrics.json"))
+        for p in sorted((data / "eval_perplexity").glob("*/figures.json"))
     }
     found = report.perplexities(metrics)
     if not any(found.values()):

@@ -9,8 +9,9 @@ windows), and writes:
                                position in the longest windows, and the findings table: each row a
                                published finding, the figure measured here, and whether it holds
     results.json               the findings as rows of the pipeline's report
-    metrics.json               perplexity per method and length (DVC metrics)
-    table.csv                  method, finetuned, length, perplexity (DVC plots)
+    figures.json               perplexity per method and length; findings, and how many hold
+    metrics.json               findings, and how many hold (DVC metrics)
+    table.csv                  method, finetuned, length, perplexity (long format, for pandas)
     plots/perplexity_vs_length.png, plots/perplexity_by_position.png
 
 Findings (Chen et al. 2023, Position Interpolation; Peng et al. 2023, YaRN) are checked in shape at
@@ -47,16 +48,16 @@ class Config:
 
 
 def load_inputs(extend: Path, evaluated: Path) -> tuple[dict, dict]:
-    for path in (extend / "meta.json", evaluated / "metrics.json"):
+    for path in (extend / "meta.json", evaluated / "figures.json"):
         if not path.is_file():
             raise config.UserError(f"context_study: {path} not found; run the stage that writes it first")
     meta = json.loads((extend / "meta.json").read_text())
     meta["variants"] = {name: meta["variants"][name] for name in meta.get("order", meta["variants"])}
-    metrics = json.loads((evaluated / "metrics.json").read_text())["models"]
+    metrics = json.loads((evaluated / "figures.json").read_text())["models"]
     missing = sorted(set(meta["variants"]) - set(metrics))
     if missing:
         raise config.UserError(
-            f"context_study: {evaluated}/metrics.json lacks variant {missing[0]}; evaluate "
+            f"context_study: {evaluated}/figures.json lacks variant {missing[0]}; evaluate "
             f"{extend}/model with eval_perplexity (it evaluates every subfolder)"
         )
     return meta, metrics
@@ -301,10 +302,8 @@ def write_study(folder: Path, meta: dict, lengths: list[int], table: dict, posit
         folder / "results.json",
         [{k: r[k] for k in ("result", "paper", "published", "ours", "tolerance", "relation")} for r in rows],
     )
-    atomic.write_json(
-        folder / "metrics.json",
-        {"perplexity": doc["perplexity"], "findings": len(rows), "findings_hold": sum(r["pass"] for r in rows)},
-    )
+    counts = {"findings": len(rows), "findings_hold": sum(r["pass"] for r in rows)}
+    stage.write_metrics(folder, {"perplexity": doc["perplexity"], **counts}, counts)
     with open(folder / "table.csv", "w") as fh:
         fh.write("method,finetuned,length,perplexity\n")
         for name, t in table.items():
@@ -333,7 +332,7 @@ def main(argv=None) -> dict:
 
     def body(rt, stop):
         if rt.is_main:
-            inputs_hash = ckpt.hash_files([extend / "meta.json", evaluated / "metrics.json"])
+            inputs_hash = ckpt.hash_files([extend / "meta.json", evaluated / "figures.json"])
             with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt) as tracker:
                 with atomic.folder(output) as tmp:
                     write_study(tmp, meta, lengths, table, positions, rows)

@@ -4,11 +4,14 @@ Evaluates Hugging Face checkpoints (and base + PEFT adapter pairs) on one split 
 stage's shards (`--input`, format in stages/common/shards.py) or on a text file tokenized with each
 model's own tokenizer (`--text`). Writes to `--output`:
     meta.json                           compute dtype, world size, commit, and the CPU the kernels were chosen for
-    metrics.json                        per model and context: nll, perplexity, bits_per_byte,
+    figures.json                        per model and context: nll, perplexity, bits_per_byte,
                                         byte_perplexity, word_perplexity, tokens, tokens_per_s,
                                         and per-position buckets when asked
-    table.csv                           the same numbers in long format (model, context, metric, value)
+    metrics.json                        each model's perplexity at the longest context (DVC metrics)
+    table.csv                           the same numbers in long format (model, context, metric, value),
+                                        for pandas or a spreadsheet
     plots/perplexity_vs_context.png     token perplexity against context length, one line per model
+    plots/perplexity/<model>.csv        context, perplexity (DVC plots)
 
 Windows: the model reads ids[b : b + context] and predicts ids[b + 1 : b + context + 1]; window k
 starts at b = k * stride, and only targets no earlier window scored are counted. Every token but the
@@ -356,13 +359,29 @@ def plot(metrics: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def headline(metrics: dict) -> dict:
+    """metrics.json: each model's token perplexity at the longest context evaluated."""
+    return {
+        "perplexity": {
+            label: per_context[max(per_context, key=lambda k: int(k.removeprefix("ctx")))]["perplexity"]
+            for label, per_context in metrics["models"].items()
+        }
+    }
+
+
 def write_outputs(metrics: dict, folder: Path) -> None:
-    atomic.write_json(folder / "metrics.json", metrics)
+    stage.write_metrics(folder, metrics, headline(metrics))
     with open(folder / "table.csv", "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(("model", "context", "metric", "value"))
         writer.writerows(table_rows(metrics))
     plot(metrics, folder / "plots" / "perplexity_vs_context.png")
+    # DVC plots: one file per model (each drawn on its own, compared across revisions)
+    (folder / "plots" / "perplexity").mkdir(parents=True, exist_ok=True)
+    for label, per_context in metrics["models"].items():
+        with open(folder / "plots" / "perplexity" / f"{label}.csv", "w") as fh:
+            fh.write("context,perplexity\n")
+            fh.writelines(f"{m['context']},{m['perplexity']:.6f}\n" for m in per_context.values())
 
 
 def run(specs, streams, cfg: Config, output: Path, rt: runtime.Runtime, tracker: track.Tracker) -> dict:
@@ -416,7 +435,7 @@ def run(specs, streams, cfg: Config, output: Path, rt: runtime.Runtime, tracker:
                 },
             )
     if rt.is_main:
-        for name in ("metrics.json", "meta.json", "table.csv", "plots"):
+        for name in ("figures.json", "meta.json", "table.csv", "plots"):
             tracker.log_artifact(output / name, "plots" if name == "plots" else None)
     return metrics
 

@@ -29,8 +29,9 @@ Output (data/extend_context/):
     model/<variant>/   config.json, model.safetensors, tokenizer files
     meta.json          per variant: method, fine-tuned or not, rope_parameters, max_position_embeddings;
                        `order`: the variants, zero-shot ones first
-    metrics.json       per fine-tuned variant: final train/val loss at s x L, tokens/s
-    plots/finetune_loss.csv, plots/finetune_loss.png   fine-tuning loss curves
+    figures.json       per fine-tuned variant: final train/val loss at s x L, tokens/s
+    metrics.json       per fine-tuned variant: final val loss (DVC metrics)
+    plots/finetune_loss/<variant>.csv, plots/finetune_loss.png   fine-tuning loss curves (DVC plots)
 """
 
 from __future__ import annotations
@@ -237,13 +238,13 @@ def plot_finetunes(summaries: dict, folder: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "finetune_loss.csv", "w") as fh:
-        fh.write("variant,step,train_loss,val_loss\n")
-        for name, s in summaries.items():
-            val = dict(zip(s["history"]["val_step"], s["history"]["val_loss"], strict=True))
-            for step, loss in zip(s["history"]["step"], s["history"]["loss"], strict=True):
-                fh.write(f"{name},{step},{loss:.6f},{'' if step not in val else f'{val[step]:.6f}'}\n")
+    # One curve per file (DVC draws each file of the folder as a plot of its own, compared across revisions)
+    (folder / "finetune_loss").mkdir(parents=True, exist_ok=True)
+    for name, s in summaries.items():
+        with open(folder / "finetune_loss" / f"{name}.csv", "w") as fh:
+            fh.write("step,train_loss\n")
+            curve = zip(s["history"]["step"], s["history"]["loss"], strict=True)
+            fh.writelines(f"{step},{loss:.6f}\n" for step, loss in curve)
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, s in summaries.items():
         ax.plot(s["history"]["step"], s["history"]["loss"], label=name)
@@ -301,7 +302,9 @@ def write_outputs(
             for n, s in summaries.items()
         },
     }
-    atomic.write_json(tmp / "metrics.json", metrics)
+    stage.write_metrics(
+        tmp, metrics, {"val_loss": {n: m["final_val_loss"] for n, m in metrics.items() if isinstance(m, dict)}}
+    )
     if summaries:
         plot_finetunes({f"{n}-ft": s for n, s in summaries.items()}, tmp / "plots")
     return meta
@@ -322,7 +325,7 @@ def run(base: Path, data: Path, output: Path, cfg: Config, configs: dict, origin
             output, rt, lambda tmp: write_outputs(tmp, base, configs, summaries, finals, cfg, original, rt.device)
         )
         if rt.is_main:
-            final_metrics = track.flatten(json.loads((output / "metrics.json").read_text()))
+            final_metrics = track.flatten(stage.read_figures(output))
             tracker.log_metrics({k: v for k, v in final_metrics.items() if v is not None})
             tracker.log_artifact(output / "meta.json")
             if summaries:

@@ -27,7 +27,8 @@ Output (data/finetune_qlora/<quantization>/):
     adapter/       the LoRA adapter in PEFT format: PeftModel.from_pretrained(base, "adapter")
     model/         the merged model in full precision (base dequantized + adapter) with the tokenizer:
                    AutoModelForCausalLM.from_pretrained("model")
-    metrics.json   eval/train loss, tokens/s, peak process memory, linear-layer weight memory
+    figures.json   eval/train loss, tokens/s, peak process memory, linear-layer weight memory, records
+    metrics.json   eval loss, peak memory, bits per linear-layer weight (DVC metrics)
     results.json   report rows (NF4 weight memory against 16-bit, as in the QLoRA paper)
     plots/loss.csv, eval_loss.csv, loss.png   the loss curves (DVC plots)
 """
@@ -404,7 +405,8 @@ def run(
 
         def write(tmp: Path) -> None:
             save_adapter_and_merged(tmp, adapter_sd, cfg, tok, rt.device)
-            atomic.write_json(tmp / "metrics.json", metrics)
+            headline = ("eval_loss", "peak_memory_mb", "linear_weight_bits_per_weight")
+            stage.write_metrics(tmp, metrics, {k: metrics[k] for k in headline})
             atomic.write_json(tmp / "results.json", result_rows(cfg, metrics))
             atomic.write_json(tmp / "meta.json", meta)
             write_plots(tmp, hist, cfg)
@@ -412,7 +414,7 @@ def run(
         stage.publish(output, rt, write)
         if rt.is_main:
             tracker.log_artifact(output / "plots/loss.png", "plots")
-            tracker.log_artifact(output / "metrics.json")
+            tracker.log_artifact(output / "figures.json")
             ckpt.discard(folder)  # the run is complete; its checkpoints are spent
     runtime.print0(
         f"finetune_qlora ({cfg.quantization}): eval loss {eval_loss:.4f}, peak memory {peak:.0f} MiB, linear "

@@ -22,8 +22,9 @@ Run:
 
 Output (data/memory_study/):
     table.csv          one row per technique and context: the figures above
-    metrics.json       per technique at the longest context: peak, activation and optimizer-state MiB,
+    figures.json       per technique at the longest context: peak, activation and optimizer-state MiB,
                        tokens/s, loss against the baseline's
+    metrics.json       peak MiB per technique at the longest context (DVC metrics)
     results.json       the report rows
     plots/memory.png   peak memory and its activation part per technique and context
 """
@@ -246,7 +247,9 @@ def write_outputs(tmp: Path, cfg: Config, table: dict) -> dict:
         }
         for name in cfg.techniques
     }
-    atomic.write_json(tmp / "metrics.json", {"context": longest, "techniques": metrics})
+    stage.write_metrics(
+        tmp, {"context": longest, "techniques": metrics}, {"peak_mb": {n: m["peak_mb"] for n, m in metrics.items()}}
+    )
     atomic.write_json(tmp / "results.json", result_rows(cfg, table))
     atomic.write_json(tmp / "meta.json", {"git_commit": track.git_commit(), "cpu": runtime.cpu_info()})
     plot(cfg, table, tmp / "plots/memory.png")

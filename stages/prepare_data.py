@@ -20,7 +20,8 @@ Output (data/prepare_data/):
     instructions.jsonl                records with string fields instruction, input, output
     planetoid/<Name>/raw/ind.*        the raw files PyG's Planetoid(root, name) reads
     meta.json                         sources, per-split counts and the sha256 of every file written
-    metrics.json                      bytes, lines and documents per split; instruction records
+    figures.json                      bytes, lines and documents per split; instruction records
+    metrics.json                      train bytes, instruction records (DVC metrics)
 """
 
 from __future__ import annotations
@@ -331,7 +332,9 @@ def prepare(cfg: Config, output: Path) -> dict:
         meta["graphs"] = {"names": list(cfg.graphs), "raw_sha256": write_graphs(cfg, tmp)}
         meta["files"] = {str(p.relative_to(tmp)): ckpt.sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         atomic.write_json(tmp / "meta.json", meta)
-        atomic.write_json(tmp / "metrics.json", metrics_of(meta))
+        figures = metrics_of(meta)
+        headline = {k: figures[k] for k in ("train_bytes", "instruction_records") if k in figures}
+        stage.write_metrics(tmp, figures, headline)
     return meta
 
 

@@ -18,7 +18,8 @@ Output (data/pretrain/):
     model/         config.json, model.safetensors, tokenizer files: AutoModelForCausalLM/AutoTokenizer load it
     meta.json      step, tokens seen, final train/val loss, git commit, parameter count, model config,
                    compute dtype and the CPU the kernels were chosen for
-    metrics.json   final train/val loss, tokens/s, MFU
+    figures.json   final train/val loss, tokens seen, parameters, tokens/s, MFU
+    metrics.json   final val loss, tokens/s, MFU (DVC metrics)
     plots/loss.csv, val_loss.csv, loss.png   the loss curves (DVC plots)
 """
 
@@ -138,8 +139,9 @@ def save_outputs(tmp: Path, model_sd: dict, cfg: Config, meta_in: dict, inp: Pat
         "cpu": runtime.cpu_info(),
     }
     atomic.write_json(tmp / "meta.json", meta)
-    metrics = {k: meta[k] for k in ("final_train_loss", "final_val_loss", "tokens_seen", "parameters")}
-    atomic.write_json(tmp / "metrics.json", metrics | {"tokens_per_s": result.tokens_per_s, "mfu": result.mfu})
+    figures = {k: meta[k] for k in ("final_train_loss", "final_val_loss", "tokens_seen", "parameters")}
+    figures |= {"tokens_per_s": result.tokens_per_s, "mfu": result.mfu}
+    stage.write_metrics(tmp, figures, {k: figures[k] for k in ("final_val_loss", "tokens_per_s", "mfu")})
     loop.write_curves(tmp / "plots", hist)
     val = dict(zip(hist["val_step"], hist["val_loss"], strict=True))
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -1,7 +1,9 @@
 """report: collect every stage's metrics, reproduced results and plots into reports/results.{md,json}.
 
 Each stage's output folder may hold
-    metrics.json   final numbers of the stage (also its DVC metrics)
+    figures.json   every figure of the stage (shown in the report; eval_perplexity's hold the perplexities
+                   the regression check reads)
+    metrics.json   the stage's headline figures (its DVC metrics), read where there is no figures.json
     results.json   a list of reproduced results, one object per row with the keys
                    result, paper, published, ours, tolerance, and optionally
                      relation  "=" (the default: |ours - published| <= tolerance), ">=" (ours >=
@@ -193,8 +195,11 @@ def build_report(inputs: list[Path]) -> dict:
         if not folder.is_dir():
             raise config.UserError(f"report: {folder} not found; run the stage that writes it first")
         label = stage_label(folder)
-        if (folder / "metrics.json").is_file():
-            stage_metrics[label] = json.loads((folder / "metrics.json").read_text())
+        # every figure where the stage wrote them (figures.json), else its headline metrics
+        for name in ("figures.json", "metrics.json"):
+            if (folder / name).is_file():
+                stage_metrics[label] = json.loads((folder / name).read_text())
+                break
         rows += read_rows(folder, label, commit, data_files)
         plots += sorted(str(p) for p in folder.glob("plots/*.png"))
     return {
@@ -313,7 +318,7 @@ def main(argv=None) -> dict:
     def body(rt, stop):
         doc = None
         if rt.is_main:
-            metric_files = [p / "metrics.json" for p in inputs if (p / "metrics.json").is_file()]
+            metric_files = [p / n for p in inputs for n in ("figures.json", "metrics.json") if (p / n).is_file()]
             with track.start_run(STAGE, config.as_dict(cfg), ckpt.hash_files(metric_files), rt) as tracker:
                 doc = build_report(inputs)
                 doc["regression"] = regression(

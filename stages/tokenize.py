@@ -3,7 +3,8 @@
 Reads data/prepare_data/corpus/ and writes data/tokenize/: the tokenizer in Hugging Face format
 (`AutoTokenizer.from_pretrained("data/tokenize/tokenizer")`), token shards per split and meta.json.
 The shard format, special tokens and per-split counts are defined once, in stages/common/shards.py;
-metrics.json holds the counts, bytes per token and encoding throughput (tokens/s).
+figures.json holds the counts, bytes per token and encoding throughput (tokens/s); metrics.json (DVC
+metrics) the train tokens, test bytes per token and tokens/s.
 
 The tokenizer is trained on rank 0 (the `tokenizers` trainer is itself multi-threaded). Encoding is
 streamed: each rank reads its own contiguous byte range of a split line by line, encodes batches of
@@ -235,7 +236,8 @@ def tokenize(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime, tracker:
                 **{f"{s}_{k}": v for s, d in meta["splits"].items() for k, v in d.items() if k != "shards"},
                 **{f"{s}_bytes_per_token": d["bytes"] / max(d["tokens"], 1) for s, d in meta["splits"].items()},
             }
-            atomic.write_json(tmp / "metrics.json", metrics)
+            headline = ("train_tokens", "test_bytes_per_token", "tokens_per_s")
+            stage.write_metrics(tmp, metrics, {k: metrics[k] for k in headline})
             tracker.log_metrics(metrics)
     if rt.is_main:
         tracker.log_artifact(output / "tokenizer", "tokenizer")

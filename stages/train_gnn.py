@@ -17,7 +17,9 @@ over mini-batches from PyG's NeighborLoader where pyg-lib or torch-sparse is ins
 pure Python). Evaluation runs on the whole graph.
 
 Reads data/prepare_data/planetoid/<Name>/raw/ (copied to a private folder: PyG writes processed/ next
-to raw/). Writes data/train_gnn/: metrics.json, results.json (report rows), seeds.json, plots/,
+to raw/). Writes data/train_gnn/: figures.json (accuracies per model: mean and spread over seeds,
+epochs, times), metrics.json (mean test accuracy per model: DVC metrics), results.json (report rows),
+seeds.json, plots/,
 models/<model>-seed<N>.pt, loaded with stages.models.gnn:
     ckpt = torch.load(path, weights_only=False)
     model = build_model(ckpt["model"], **ckpt["kwargs"]); model.load_state_dict(ckpt["state_dict"])
@@ -415,7 +417,7 @@ def log_curves(tracker: track.Tracker, results: list[dict], cfg: Config) -> None
 def save_outputs(
     tmp: Path, cfg: Config, results: list[dict], weights: dict, rt: runtime.Runtime, t_start: float
 ) -> dict:
-    """Rank 0 writes the output folder into `tmp`; returns metrics.json's contents."""
+    """Rank 0 writes the output folder into `tmp`; returns figures.json's contents."""
     summary = summarize(results, cfg)
     (tmp / "models").mkdir()
     for (kind, seed), (kwargs, state) in weights.items():
@@ -436,7 +438,7 @@ def save_outputs(
     plot_accuracy(results, summary, cfg, tmp / "plots" / "accuracy.png")
     summary["world_size"] = rt.world_size
     summary["wall_s"] = time.perf_counter() - t_start
-    atomic.write_json(tmp / "metrics.json", summary)
+    stage.write_metrics(tmp, summary, {"test_acc": {kind: summary[kind]["test_acc_mean"] for kind in cfg.models}})
     return summary
 
 
@@ -465,7 +467,7 @@ def run(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime, stop: runtime
                 }
             )
             log_curves(tracker, results, cfg)
-            for name in ("metrics.json", "seeds.json", "plots", "models"):
+            for name in ("figures.json", "seeds.json", "plots", "models"):
                 tracker.log_artifact(output / name, name if name in ("plots", "models") else None)
     runtime.print0(
         f"train_gnn: {cfg.dataset}, {cfg.seeds} seeds: "

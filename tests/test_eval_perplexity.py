@@ -223,7 +223,11 @@ def test_non_overlapping_windows_match_reference_with_and_without_adapter(in_roo
     assert abs(base - lora) > 1e-3 * base, "the adapter changes the model"
 
     out = in_root / "out/text"
-    assert json.loads((out / "metrics.json").read_text()) == json.loads(json.dumps(metrics))
+    assert json.loads((out / "figures.json").read_text()) == json.loads(json.dumps(metrics))
+    # the headline: each model's perplexity at the longest context
+    assert json.loads((out / "metrics.json").read_text()) == {
+        "perplexity": {k: metrics["models"][k]["ctx64"]["perplexity"] for k in ("base", "lora")}
+    }
     rows = list(csv.DictReader(open(out / "table.csv")))
     assert {(r["model"], r["context"]) for r in rows} == {(m, c) for m in ("base", "lora") for c in ("32", "64")}
     row = next(r for r in rows if (r["model"], r["context"], r["metric"]) == ("lora", "32", "perplexity"))
@@ -231,6 +235,8 @@ def test_non_overlapping_windows_match_reference_with_and_without_adapter(in_roo
     from PIL import Image
 
     assert Image.open(out / "plots" / "perplexity_vs_context.png").size[0] > 100
+    lora_curve = (out / "plots/perplexity/lora.csv").read_text().splitlines()
+    assert lora_curve[0] == "context,perplexity" and [r.split(",")[0] for r in lora_curve[1:]] == ["32", "64"]
 
 
 def test_overlapping_windows_beyond_the_model_context_match_reference(shard_run, assets):
@@ -247,7 +253,7 @@ def test_overlapping_windows_beyond_the_model_context_match_reference(shard_run,
 
 def test_two_processes_give_the_numbers_of_one(shard_run, assets):
     run_stage("eval_perplexity", [*SHARD_RUN[:5], "out/shards2", *SHARD_RUN[6:]], cwd=assets, nproc=2)
-    two = json.loads((assets / "out/shards2/metrics.json").read_text())
+    two = json.loads((assets / "out/shards2/figures.json").read_text())
     for context in ("ctx48", "ctx96"):
         one_m, two_m = shard_run["models"]["tiny"][context], two["models"]["tiny"][context]
         assert two_m["tokens"] == one_m["tokens"]
@@ -267,7 +273,7 @@ def test_two_processes_give_the_numbers_of_one(shard_run, assets):
     history = client.get_metric_history(runs[0].info.run_id, "tiny.perplexity")
     assert sorted(m.step for m in history) == [48, 96]
     assert {a.path for a in client.list_artifacts(runs[0].info.run_id)} >= {
-        "metrics.json",
+        "figures.json",
         "meta.json",
         "table.csv",
         "plots",

@@ -207,9 +207,11 @@ def test_two_processes_write_every_variant_and_resume_exactly(tokenized, base_mo
     assert set(meta["variants"]) == {"unscaled", "linear", "dynamic", "yarn", "llama3", "unscaled-ft", "linear-ft"}
     assert meta["original_context"] == L and meta["extended_context"] == 2 * L  # the ci preset's factor 2
     losses = [
-        json.loads((tmp_path / run / "metrics.json").read_text())["linear-ft"]["final_train_loss"] for run in "ab"
+        json.loads((tmp_path / run / "figures.json").read_text())["linear-ft"]["final_train_loss"] for run in "ab"
     ]
     assert losses[0] == losses[1]
+    headline = json.loads((tmp_path / "a/metrics.json").read_text())
+    assert set(headline) == {"val_loss"} and set(headline["val_loss"]) == {"unscaled-ft", "linear-ft"}
     x = torch.randint(0, 400, (2, 3 * L))  # positions beyond L, and beyond s x L
     for name, v in meta["variants"].items():
         a = AutoModelForCausalLM.from_pretrained(tmp_path / "a/model" / name)
@@ -236,6 +238,8 @@ def test_two_processes_write_every_variant_and_resume_exactly(tokenized, base_mo
                 )
                 torch.testing.assert_close(logits, ref(x).logits, atol=0, rtol=0)
     assert (tmp_path / "a/plots/finetune_loss.png").is_file()
+    curves = sorted(p.name for p in (tmp_path / "a/plots/finetune_loss").iterdir())
+    assert curves == ["linear-ft.csv", "unscaled-ft.csv"]
 
 
 def test_eval_reads_a_folder_of_variants(tokenized, base_model, tmp_path, monkeypatch):

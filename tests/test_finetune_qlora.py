@@ -128,7 +128,9 @@ def test_one_process_trains_and_its_outputs_load_in_peft_and_transformers(base):
     from transformers import AutoTokenizer
 
     assert len(AutoTokenizer.from_pretrained(base / "one/model")) == merged.config.vocab_size
-    metrics = json.loads((base / "one/metrics.json").read_text())
+    metrics = json.loads((base / "one/figures.json").read_text())
+    headline = json.loads((base / "one/metrics.json").read_text())
+    assert headline == {k: metrics[k] for k in ("eval_loss", "peak_memory_mb", "linear_weight_bits_per_weight")}
     assert metrics["tokens_per_s"] > 0 and metrics["train_records"] + metrics["eval_records"] <= 200
     # NF4 + double quantization: 4 bits per weight plus the per-block constants (QLoRA: 4.127 bits).
     assert 4.1 < metrics["linear_weight_bits_per_weight"] < 4.2 and metrics["peak_memory_mb"] > 0

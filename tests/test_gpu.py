@@ -106,7 +106,7 @@ def test_extend_context_fine_tunes_yarn_in_bf16(tokenized):
 
     model = AutoModelForCausalLM.from_pretrained(tokenized / "gpu_ext/model/yarn-ft").cuda()
     assert model.config.rope_parameters["rope_type"] == "yarn"
-    metrics = json.loads((tokenized / "gpu_ext/metrics.json").read_text())
+    metrics = json.loads((tokenized / "gpu_ext/figures.json").read_text())
     assert np.isfinite(metrics["yarn-ft"]["final_train_loss"])
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         logits = model(torch.randint(0, 256, (1, 4 * 64), device="cuda")).logits  # beyond the trained 64
@@ -137,7 +137,7 @@ def test_qlora_with_bf16_storage_and_compute_under_fsdp_and_nccl(tokenized):
     run_stage("finetune_qlora", args, cwd=tokenized, nproc=nproc)
     meta = json.loads((tokenized / "qlora/meta.json").read_text())
     assert meta["storage_dtype"] == meta["compute_dtype"] == "torch.bfloat16" and meta["world_size"] == nproc
-    metrics = json.loads((tokenized / "qlora/metrics.json").read_text())
+    metrics = json.loads((tokenized / "qlora/figures.json").read_text())
     assert np.isfinite(metrics["eval_loss"]) and 4.1 < metrics["linear_weight_bits_per_weight"] < 4.2
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -75,6 +75,7 @@ def test_ddp_fsdp_and_one_process_train_the_same_model(tokenized, monkeypatch):
     assert len(tok) == meta["model_config"]["vocab_size"] and meta["tokens_seen"] == 8 * 8 * 64
     assert meta["step"] == 8 and meta["final_val_loss"] is not None and meta["git_commit"]
     metrics = json.loads((tokenized / "fsdp/metrics.json").read_text())
+    assert set(metrics) == {"final_val_loss", "tokens_per_s", "mfu"}, "the headline figures only"
     assert metrics["tokens_per_s"] > 0 and 0 < metrics["mfu"] < 1
     assert (tokenized / "fsdp/plots/loss.png").stat().st_size > 0
     # generate samples from any model folder; greedy decoding is deterministic and keeps the prompt.

@@ -10,11 +10,13 @@ from stages import report
 from stages.common import config
 
 
-def stage_folder(root, name, metrics=None, rows=None, plot=False):
+def stage_folder(root, name, metrics=None, rows=None, plot=False, figures=None):
     folder = root / "data" / name
     folder.mkdir(parents=True)
     if metrics is not None:
         (folder / "metrics.json").write_text(json.dumps(metrics))
+    if figures is not None:
+        (folder / "figures.json").write_text(json.dumps(figures))
     if rows is not None:
         (folder / "results.json").write_text(json.dumps(rows))
     if plot:
@@ -140,7 +142,8 @@ def eval_metrics(root, label, ppl):
     stage_folder(
         root,
         f"eval_perplexity/{label}",
-        metrics={
+        metrics={"perplexity": {model: by_ctx[max(by_ctx)] for model, by_ctx in ppl.items()}},
+        figures={
             "models": {
                 model: {f"ctx{ctx}": {"context": ctx, "perplexity": v} for ctx, v in by_ctx.items()}
                 for model, by_ctx in ppl.items()
@@ -161,7 +164,7 @@ def test_perplexities_regress_against_the_record_of_the_same_params(tree, monkey
     assert entry["perplexity"] == {"eval_perplexity/pretrain": {"pretrain": {64: 100.0, 128: 120.0}}}
     # A later run: one perplexity moved 1% (passes), one 5% (fails), one recorded context is missing.
     stage_folder(tree, "eval_perplexity/pretrain2")  # a folder without perplexities changes nothing
-    (tree / "data/eval_perplexity/pretrain/metrics.json").write_text(
+    (tree / "data/eval_perplexity/pretrain/figures.json").write_text(
         json.dumps(
             {
                 "models": {

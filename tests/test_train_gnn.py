@@ -48,7 +48,7 @@ def test_per_seed_results_do_not_depend_on_world_size(trained):
     assert [(r["model"], r["seed"]) for r in one] == [(m, s) for m in ("gcn", "gat") for s in range(3)]
     for a, b in zip(one, two, strict=True):
         assert {k: v for k, v in a.items() if k != "train_s"} == {k: v for k, v in b.items() if k != "train_s"}
-    m1, m2 = (json.loads((trained[n] / "data/train_gnn/metrics.json").read_text()) for n in (1, 2))
+    m1, m2 = (json.loads((trained[n] / "data/train_gnn/figures.json").read_text()) for n in (1, 2))
     assert m1["gcn"]["test_acc_mean"] == m2["gcn"]["test_acc_mean"] and m2["world_size"] == 2
 
 
@@ -87,7 +87,10 @@ def test_metrics_report_rows_plot_and_mlflow_curves(trained, prepared):
 
     root = trained[2]
     out = root / "data/train_gnn"
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = json.loads((out / "figures.json").read_text())
+    assert json.loads((out / "metrics.json").read_text()) == {
+        "test_acc": {m: metrics[m]["test_acc_mean"] for m in ("gcn", "gat")}
+    }
     assert metrics["seeds"] == 3 and 0 <= metrics["gat"]["test_acc_std"] and metrics["wall_s"] > 0
     rows = json.loads((out / "results.json").read_text())
     files = json.loads((prepared / "data/prepare_data/meta.json").read_text())["files"]
@@ -109,7 +112,7 @@ def test_metrics_report_rows_plot_and_mlflow_curves(trained, prepared):
     )
     history = client.get_metric_history(run.info.run_id, "gcn_val_acc")
     assert [m.step for m in history] == list(range(12))
-    assert {"models", "plots", "metrics.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"models", "plots", "figures.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
 
 
 def test_ddp_step_synchronizes_gradients_across_ranks(tmp_path, mirror):
@@ -148,7 +151,7 @@ def test_minibatch_ddp_trains_on_cora(prepared, tmp_path):
     run_stage(
         "train_gnn", [*ARGS, "minibatch.enabled=true", "models=[gcn]", "seeds=1", "gcn.epochs=40"], cwd=root, nproc=2
     )
-    metrics = json.loads((root / "data/train_gnn/metrics.json").read_text())
+    metrics = json.loads((root / "data/train_gnn/figures.json").read_text())
     assert metrics["minibatch"] and metrics["gcn"]["test_acc_mean"] > 60.0  # chance is ~30% (7 classes)
     assert not (root / "data/train_gnn/results.json").exists(), "no paper rows for the mini-batch setup"
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -152,6 +153,22 @@ def train(model, train_data, val_data, cfg: loop.TrainConfig, context: int, rt, 
         tracker.set_tags({"stopped_by": stop.signal or "SIGTERM", "resume_from": str(folder)})
         raise Stopped
     return result
+
+
+def write_metrics(folder: str | Path, figures: dict, headline: dict) -> None:
+    """A stage's figures, in two files of its output folder: metrics.json, the headline figures a user
+    compares across experiments (a handful: the stage's DVC metrics, the columns `dvc exp show` prints),
+    and figures.json, every figure (what the report, the tests and a closer look read)."""
+    atomic.write_json(Path(folder) / "metrics.json", headline)
+    atomic.write_json(Path(folder) / "figures.json", figures)
+
+
+def read_figures(folder: str | Path) -> dict:
+    """Every figure a stage wrote (its figures.json)."""
+    path = Path(folder) / "figures.json"
+    if not path.is_file():
+        raise config.UserError(f"{path} not found; run the stage that writes {Path(folder)} first")
+    return json.loads(path.read_text())
 
 
 def publish(output: str | Path, rt: runtime.Runtime, write):
