@@ -12,7 +12,7 @@ export PIPELINE_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shar
 TORCH_INDEX := $(if $(shell command -v nvidia-smi),,--extra-index-url https://download.pytorch.org/whl/cpu)
 MLFLOW_PORT ?= 5000
 
-.PHONY: run test test-system venv dag bench mlflow-ui html-report plots lock clean
+.PHONY: run test test-system venv dag bench mlflow-ui html-report plots exp-show lock clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,12 @@ mlflow-ui: $(STAMP)
 # One self-contained HTML page of the last run: results table, stage metrics, plots (report.html).
 html-report: $(STAMP)
 	python -m pipelines.html_report --output report.html
+
+# `dvc exp show` with the metrics only: params and dependency hashes dropped (they are each a column).
+# KEEP='<regex>' keeps the params or dependencies it matches, e.g. KEEP='pretrain\.train\.lr$$'.
+STAGE_SECTIONS := prepare_data|tokenize|pretrain|extend_context|finetune_qlora|eval_perplexity|context_study|train_gnn|memory_study|report
+exp-show:
+	dvc exp show --no-pager --drop '($(STAGE_SECTIONS))\.|(stages|pipelines|containers)/|data/[^:]*$$' $(if $(KEEP),--keep '$(KEEP)')
 
 # DVC's plots of the last run, offline: dvc_plots/index.html (plain `dvc plots show` loads Vega from a CDN).
 plots: $(PLOTS_TEMPLATE)

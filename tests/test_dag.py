@@ -46,6 +46,31 @@ def test_dvc_and_snakemake_see_the_same_stages():
     assert {"data/prepare_data", "data/tokenize"} <= set(report["deps"]), "report collects every other stage"
 
 
+def test_the_committed_dvc_lock_is_the_current_dag_on_the_current_params():
+    """dvc.lock (the tiny default's run, committed so that `dvc exp show` and `dvc metrics show` have
+    main's figures) holds every stage of dvc.yaml with its command, dependencies, outputs and the values
+    of its params sections in params.yaml. After changing any of those: `make run`, commit dvc.lock."""
+    lock = yaml.safe_load((ROOT / "dvc.lock").read_text())["stages"]
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    stages = dag.dvc_view(ROOT)
+    assert sorted(lock) == sorted(stages), "dvc.lock is not of this DAG: run `make run` and commit dvc.lock"
+    for name, stage in stages.items():
+        entry = lock[name]
+        problems = []
+        if entry["cmd"] != stage["cmd"]:
+            problems.append("its command")
+        if sorted(d["path"] for d in entry.get("deps", [])) != stage["deps"]:
+            problems.append("its dependencies")
+        if sorted(o["path"] for o in entry["outs"]) != stage["outs"]:
+            problems.append("its outputs")
+        locked = entry.get("params", {}).get("params.yaml", {})
+        changed = [k for k in stage["params"] if locked.get(k) != params[k]]
+        if changed:
+            problems.append(f"params {changed}")
+        differs = ", ".join(problems)
+        assert not problems, f"dvc.lock: stage {name} differs in {differs}: `make run`, then commit dvc.lock"
+
+
 def test_a_dep_edited_in_dvc_yaml_only_is_caught(tmp_path):
     root = copy_repo(tmp_path)
     doc = yaml.safe_load((root / "dvc.yaml").read_text())

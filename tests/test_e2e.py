@@ -245,6 +245,40 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     assert "context_study:" not in sh("dvc status", clone), "the rule's dvc commit ran too"
 
 
+@pytest.mark.timeout(900)
+def test_readme_commands_run_as_written(clone):
+    """After the run above: the README's commands marked `run` run as written; its stage commands pass
+    `--check` (their command line and params overrides, no compute); see tests/readme_commands.py."""
+    import readme_commands
+
+    (clone / "notes.txt").write_text("Some notes of our own to evaluate a model on.\n" * 20)
+    ran = []
+    for command, (how, _) in readme_commands.HOW.items():
+        if how == "check":
+            sh(re.sub(r"^torchrun --nproc-per-node \d+ ", "python ", command) + " --check", clone)
+        elif how == "run" and "pipelines.preset" not in command:
+            out = sh(command, clone)
+            if command.startswith(("dvc repro", "snakemake")):
+                assert not dvc_ran(out) and not snakemake_ran(out), f"`{command}` ran stages: {out[-3000:]}"
+        ran.append(command)
+    # The metrics-only view of `dvc exp show`: one column per headline metric, no params or hashes.
+    recipe = sh("make --no-print-directory -n exp-show", clone).strip()
+    header = next(csv.reader(io.StringIO(sh(recipe + " --csv", clone))))
+    fixed = {"Experiment", "rev", "typ", "Created", "parent", "State", "Executor"}
+    metrics = [c for c in header if c not in fixed]
+    assert 0 < len(metrics) <= 40 and not [c for c in metrics if c.startswith(("pretrain.", "stages/"))], header
+    kept = next(csv.reader(io.StringIO(sh(recipe + " --keep 'pretrain\\.train\\.lr$' --csv", clone))))
+    assert "pretrain.train.lr" in kept
+    # The eval example with an adapter wrote where it says; then the preset example, undone after.
+    assert (clone / "data/eval_perplexity/compare/metrics.json").is_file()
+    sh("rm -rf data/eval_perplexity/compare", clone)
+    sh("python -m pipelines.preset llama3-8b-qlora", clone)
+    assert "meta-llama/Meta-Llama-3-8B" in sh("git diff params.yaml", clone)
+    sh("git checkout params.yaml", clone)
+    assert UP_TO_DATE in sh("dvc status", clone)
+    assert len(ran) == sum(how in ("run", "check") for how, _ in readme_commands.HOW.values())
+
+
 def kill_everything_in(folder: Path) -> int:
     """SIGKILL every process working in folder (the stage's workers run in sessions of their own, so
     a process group does not hold them all): what a lost machine does to a pipeline."""

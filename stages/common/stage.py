@@ -47,6 +47,11 @@ def parse_cli(doc: str, paths: dict, argv=None) -> tuple[argparse.Namespace, lis
         epilog="Trailing key=value pairs override the stage's params section (dotted keys for sub-sections).",
     )
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the command line and the params section with its overrides, print the section, and exit",
+    )
     for name, default in paths.items():
         many = isinstance(default, list)
         parser.add_argument(
@@ -73,7 +78,14 @@ def setup(doc: str, section: str, cls: type, paths: dict, argv=None):
     """Parse the command line and load the stage's params section (with overrides) into `cls`.
     Returns (args, config)."""
     args, overrides = parse_cli(doc, paths, argv)
-    return args, config.load(cls, section, args.params, overrides)
+    cfg = config.load(cls, section, args.params, overrides)
+    if args.check:
+        import yaml
+
+        if os.environ.get("RANK", "0") == "0":
+            print(yaml.safe_dump({section: config.as_dict(cfg)}, sort_keys=False), end="")
+        raise SystemExit(0)
+    return args, cfg
 
 
 def check_train(where: str, train: loop.TrainConfig, rt: runtime.Runtime) -> None:

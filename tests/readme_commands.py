@@ -1,0 +1,131 @@
+"""The shell commands of README.md, each with how the tests try it.
+
+Every command line of every ```bash block of the README is in `HOW`, with one of:
+    run      run as written in the end-to-end test's clone after its pipeline run (ci preset)
+    check    a stage command: run there with `--check` (command line and params checked, no compute)
+    make     a make target: `make -n` (the recipe resolves; nothing runs)
+    marked   not run, with the reason (GPU, cluster, network, long, or run by another test)
+A README command missing from `HOW` fails tests/test_readme.py, so a new one gets tried or a reason.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LONG_DAG = "long: the whole DAG (tests/test_e2e.py runs it on the ci preset; CI runs make test)"
+SLURM = "cluster: SLURM (tests/system/test_slurm.py runs the pipeline on a SLURM cluster it starts)"
+EXP = "long: re-runs the stages after the changed param (tests/test_e2e.py runs a dvc exp run)"
+
+HOW: dict[str, tuple[str, str]] = {
+    "make run": ("marked", LONG_DAG),
+    "make test": ("marked", "CI's own command"),
+    "source .venv/bin/activate": ("marked", "shell set-up"),
+    "snakemake --profile pipelines/profiles/local": ("marked", LONG_DAG),
+    "snakemake --cores all tokenize": ("run", "current after the pipeline: runs nothing"),
+    "dvc repro": ("run", "current after the pipeline: runs nothing"),
+    "dvc status": ("run", ""),
+    "dvc metrics show": ("run", ""),
+    "dvc exp run -S tokenize.vocab_size=8192": ("marked", EXP),
+    "python -m stages.tokenize --input data/prepare_data --output data/tokenize vocab_size=8192": ("check", ""),
+    "torchrun --nproc-per-node 2 -m stages.tokenize --input data/prepare_data --output data/tokenize": ("check", ""),
+    "snakemake --profile pipelines/profiles/slurm": ("marked", SLURM),
+    "snakemake --profile pipelines/profiles/slurm --config mlflow_tracking_uri=http://mlflow-host:5000": (
+        "marked",
+        SLURM + " and an MLflow server",
+    ),
+    "apptainer build containers/lm.sif containers/lm/apptainer.def": ("marked", "needs apptainer and root"),
+    "apptainer build containers/gnn.sif containers/gnn/apptainer.def": ("marked", "needs apptainer and root"),
+    'snakemake --profile pipelines/profiles/slurm --software-deployment-method apptainer --apptainer-args "--nv"': (
+        "marked",
+        SLURM + " with apptainer and GPUs",
+    ),
+    "podman build -f containers/lm/Dockerfile -t pipeline-lm .": (
+        "marked",
+        "needs podman and root (tests/system/test_containers.py builds and runs the image)",
+    ),
+    'podman run --rm -v "$PWD:/work" pipeline-lm python -m pipelines.launch tokenize --input data/prepare_data '
+    "--output data/tokenize": ("marked", "needs podman and root (tests/system/test_containers.py)"),
+    "cat reports/results.md": ("run", ""),
+    "make plots": ("make", ""),
+    "make html-report": ("make", ""),
+    "make exp-show": ("run", "at most ~40 columns"),
+    "make exp-show KEEP='pretrain\\.train\\.lr$'": ("run", ""),
+    "dvc exp show --only-changed": ("run", ""),
+    "dvc metrics diff": ("run", ""),
+    "dvc plots diff": ("run", ""),
+    "dvc exp run -S pretrain.train.steps=600": ("marked", EXP),
+    "dvc exp run --queue -S pretrain.train.lr=3e-4,1e-3": ("marked", EXP),
+    "dvc exp run --run-all && dvc exp show": ("marked", EXP),
+    "dvc exp run --temp -S pretrain.train.lr=1e-3": ("marked", EXP),
+    "git checkout params.yaml && dvc checkout": ("marked", "undoes an experiment run in the workspace"),
+    "dvc exp apply <experiment>": ("marked", "needs an experiment (tests/test_e2e.py makes one)"),
+    "dvc exp branch <experiment> <branch>": ("marked", "needs an experiment"),
+    "dvc exp remove <experiment>": ("marked", "needs an experiment"),
+    "dvc remote add -d store s3://bucket/pipeline-cache": ("marked", "network: a cloud bucket and credentials"),
+    "dvc push": ("marked", "network: needs the remote above"),
+    'git add .dvc/config dvc.lock && git commit -m "results"': ("marked", "commits in the user's repository"),
+    "make mlflow-ui": ("marked", "a server (tests/system/test_browser.py serves it and browses it)"),
+    "make mlflow-ui MLFLOW_PORT=5001": ("marked", "a server (tests/system/test_browser.py)"),
+    "hf auth login": ("marked", "network: interactive hub login"),
+    "python -m pipelines.preset llama3-8b-qlora": ("run", "in a copy of the clone's params.yaml"),
+    "snakemake --profile pipelines/profiles/slurm data/finetune_qlora/nf4 data/finetune_qlora/none": (
+        "marked",
+        SLURM,
+    ),
+    "torchrun --nproc-per-node 2 -m stages.pretrain --input data/tokenize --output data/pretrain train.strategy=fsdp": (
+        "check",
+        "",
+    ),
+    'python -m stages.generate data/pretrain/model "ROMEO:" --temperature 0.8 --top-k 50': ("run", ""),
+    "torchrun --nproc-per-node 2 -m stages.extend_context --base data/pretrain/model --input data/tokenize "
+    "--output data/extend_context factor=4 train.steps=100": ("check", ""),
+    "torchrun --nproc-per-node 2 -m stages.finetune_qlora --input data/prepare_data --output data/finetune_qlora/nf4": (
+        "check",
+        "",
+    ),
+    "torchrun --nproc-per-node 2 -m stages.finetune_qlora --input data/prepare_data --output "
+    "data/finetune_qlora/none quantization=none": ("check", ""),
+    "snakemake --cores all data/finetune_qlora/nf4 data/finetune_qlora/none": (
+        "run",
+        "current after the pipeline: runs nothing",
+    ),
+    "python -m stages.eval_perplexity --models pretrain=data/pretrain/model "
+    "lora=data/pretrain/model+data/finetune_qlora/nf4/adapter --input data/tokenize --output "
+    "data/eval_perplexity/compare contexts=[256,512,1024] extrapolate=true": ("run", ""),
+    "torchrun --nproc-per-node 2 -m stages.eval_perplexity --models pretrain=data/pretrain/model --text notes.txt "
+    "--output data/eval_perplexity/notes": ("check", "with a notes.txt"),
+    "make test-system": ("marked", "root: CI runs it after make test"),
+    'python -m pytest tests --ignore=tests/system -m "not e2e"': ("marked", "the test suite itself"),
+    "make bench": ("marked", "long: the benchmarks (minutes each)"),
+    "bench/gpu_check.sh OUTDIR": ("marked", "GPU"),
+    "bench/gpu_check.sh --pack": ("marked", "network: downloads wheels"),
+    "bench/gpu_check.sh out/": ("marked", "GPU"),
+    "bench/gpu_check.sh --dry out/": ("marked", "run by tests/test_bench.py"),
+}
+
+
+def commands(readme: Path = ROOT / "README.md") -> list[str]:
+    """Every command line of the README's bash blocks: comments dropped, continuations joined."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", readme.read_text(), re.S):
+        for line in re.sub(r"\\\n\s*", "", block).splitlines():
+            command = strip_comment(line).strip()
+            if command:
+                out.append(command)
+    return out
+
+
+def strip_comment(line: str) -> str:
+    """The line without its trailing `# ...` comment (a # outside quotes, after a space or at the start)."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
