@@ -80,4 +80,4 @@ lock: $(STAMP)
 	mv requirements.lock.new requirements.lock
 
 clean:
-	rm -rf data/*/ reports/* logs .snakemake checkpoints mlflow.db mlflow.db.lock mlartifacts report.html
+	rm -rf data/*/ reports/* logs .snakemake checkpoints mlflow.db mlflow.db.lock mlartifacts report.html snakemake-report.html

@@ -456,7 +456,8 @@ def main(argv=None) -> dict:
         raise config.UserError("eval_perplexity: pass --output when evaluating several models")
     output = Path(args.output or f"data/{STAGE}/{specs[0].label}")
     text = Path(args.text) if args.text else None
-    streams = prepare(specs, cfg, Path(args.input), text)
+    streams = prepare(specs, cfg, Path(args.input), text)  # reads the models' tokenizers and the text
+    stage.exit_if_checking(args, STAGE, cfg)
     inputs = [p for s in specs for p in (s.path, s.adapter) if p] + [text or Path(args.input)]
     tags = {"models": " ".join(model_items), "data": str(text or f"{args.input}:{cfg.split}")}
 

@@ -51,6 +51,7 @@ HOW: dict[str, tuple[str, str]] = {
     "cat reports/results.md": ("run", ""),
     "make plots": ("make", ""),
     "make html-report": ("make", ""),
+    "snakemake --report snakemake-report.html": ("run", ""),
     "make exp-show": ("run", "at most ~40 columns"),
     "make exp-show KEEP='pretrain\\.train\\.lr$'": ("run", ""),
     "dvc exp show --only-changed": ("run", ""),

@@ -6,7 +6,7 @@ import importlib
 from dataclasses import FrozenInstanceError
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_stage
 
 from pipelines import preset
 from pipelines.dag import load_table
@@ -179,3 +179,10 @@ def test_offload_is_refused_where_it_cannot_act():
 def test_every_dag_stage_is_a_known_params_section():
     """An override naming another stage's section is refused (config.STAGE_SECTIONS): it lists them all."""
     assert set(config.STAGE_SECTIONS) == set(load_table())
+
+
+def test_check_validates_the_command_line_and_params_without_running(workdir):
+    ok = run_stage("pretrain", ["--check", "train.lr=3e-4", "--output", "never"], cwd=workdir)
+    assert "lr: 0.0003" in ok.stdout and not (workdir / "never").exists()
+    bad = run_stage("finetune_qlora", ["--check", "lora.rank=8"], cwd=workdir, check=False)
+    assert bad.returncode == 2 and "unknown key finetune_qlora.lora.rank" in bad.stderr

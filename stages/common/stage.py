@@ -79,13 +79,19 @@ def setup(doc: str, section: str, cls: type, paths: dict, argv=None):
     Returns (args, config)."""
     args, overrides = parse_cli(doc, paths, argv)
     cfg = config.load(cls, section, args.params, overrides)
+    exit_if_checking(args, section, cfg)
+    return args, cfg
+
+
+def exit_if_checking(args: argparse.Namespace, section: str, cfg) -> None:
+    """`--check`: the command line and the params section are good (else a UserError came first); print
+    the section as the stage would use it and exit 0, before any compute."""
     if args.check:
         import yaml
 
         if os.environ.get("RANK", "0") == "0":
             print(yaml.safe_dump({section: config.as_dict(cfg)}, sort_keys=False), end="")
         raise SystemExit(0)
-    return args, cfg
 
 
 def check_train(where: str, train: loop.TrainConfig, rt: runtime.Runtime) -> None:
