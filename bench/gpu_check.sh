@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check: the GPU-marked tests and the three GPU benchmarks in one command, figures and logs in OUTDIR.
 #
-#   bench/gpu_check.sh --pack [DIR]    here, with network access: the wheels a bare GPU machine lacks
+#   bench/gpu_check.sh --pack          here, with network access: the wheels a bare GPU machine lacks
 #                                      (bitsandbytes, ruamel.yaml, at requirements.lock's versions, for
-#                                      Python 3.12) and the raw data the tests read, into DIR (default .gpu)
-#   bench/gpu_check.sh OUTDIR          on the GPU machine, from the repository root, with DIR beside it
+#                                      Python 3.12) and the raw data the tests read, into .gpu/
+#   bench/gpu_check.sh OUTDIR          on the GPU machine, from the repository root, with .gpu/ in it
 #   bench/gpu_check.sh --dry OUTDIR    the same code at tiny sizes on this machine's CPU (a minute or two)
 #
-# Steps, each under a time limit of its own (a hang loses that step only; 570 s in all, within a 10-minute
-# session on a lent machine), each one's log in OUTDIR:
+# Steps, each under a time limit of its own (a hang loses that step only; 480 s in all), each one's log
+# in OUTDIR; figures.json is rewritten after every step, so a run cut short keeps what it measured:
 #   tests.log     pytest tests/test_gpu.py: bf16 compute, a nccl group of one with FSDP2's bf16 policy,
 #                 YaRN fine-tuning, QLoRA with bf16 storage, paged 8-bit AdamW (2-GPU tests skip on one)
 #   pretrain.log  bench/pretrain_mfu.py: ~950M-parameter Llama, context 2048, bf16, compile: tokens/s, MFU
@@ -24,8 +24,9 @@ cd "$(dirname "$0")/.."
 PACK=.gpu
 
 if [ "${1:-}" = "--pack" ]; then
-  dest=${2:-$PACK}
+  dest=$PACK
   mirror=${PIPELINE_DATA_MIRROR:-../shared/data}
+  rm -rf "$dest"
   mkdir -p "$dest/wheels" "$dest/data/planetoid"
   for name in bitsandbytes ruamel.yaml; do
     version=$(grep -i "^$name==" requirements.lock | cut -d= -f3)
@@ -72,8 +73,11 @@ if [ $DRY -eq 0 ]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ -z "${PIPELINE_DATA_MIRROR:-}" ]; then
-  if [ -d "$PACK/data" ]; then export PIPELINE_DATA_MIRROR="$PWD/$PACK/data"; fi
-  if [ -d ../shared/data ]; then export PIPELINE_DATA_MIRROR="$(cd ../shared/data && pwd)"; fi
+  if [ -d "$PACK/data" ]; then
+    export PIPELINE_DATA_MIRROR="$PWD/$PACK/data"
+  elif [ -d ../shared/data ]; then
+    export PIPELINE_DATA_MIRROR="$(cd ../shared/data && pwd)"
+  fi
 fi
 export PIPELINE_TRACKING=off
 
@@ -98,40 +102,18 @@ EOF
   echo "PIPELINE_DATA_MIRROR=${PIPELINE_DATA_MIRROR:-} PIPELINE_TRACKING=${PIPELINE_TRACKING:-on} dry=$DRY"
 } >"$OUT/env.txt" 2>&1
 
-: >"$PARTS/steps.tsv"
-step() {  # step NAME LOG SECONDS COMMAND...: run it under its limit, appending to LOG; record exit code and time
-  local name=$1 log=$2 limit=$3 t0 rc
-  shift 3
-  t0=$(date +%s)
-  echo "== $name: $*" | tee -a "$OUT/$log"
-  timeout --kill-after=10 "$limit" "$@" >>"$OUT/$log" 2>&1
-  rc=$?
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - t0))" >>"$PARTS/steps.tsv"
-  echo "   exit $rc after $(($(date +%s) - t0)) s" | tee -a "$OUT/$log"
-}
-
-: >"$OUT/tests.log" >"$OUT/pretrain.log" >"$OUT/eval.log" >"$OUT/qlora.log"
-step tests tests.log 150 $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
-if [ $DRY -eq 1 ]; then
-  step pretrain pretrain.log 120 $PY bench/pretrain_mfu.py --dry --profile "$OUT/profile.txt" --json "$PARTS/pretrain.json"
-  tiny=(--tokens 2048 --repeats 1 --hidden 64 --layers 2 --heads 4 --ffn 160 --no-bf16)
-  step eval eval.log 60 $PY bench/eval_throughput.py "${tiny[@]}" --json "$PARTS/eval.json"
-  step eval_fp32 eval.log 60 $PY bench/eval_throughput.py "${tiny[@]}" --precision fp32 --json "$PARTS/eval_fp32.json"
-  step qlora qlora.log 90 $PY bench/qlora_memory.py --hidden 64 --layers 2 --json "$PARTS/qlora.json"
-else
-  step pretrain pretrain.log 180 $PY bench/pretrain_mfu.py --profile "$OUT/profile.txt" --json "$PARTS/pretrain.json"
-  step eval eval.log 45 $PY bench/eval_throughput.py --tokens 65536 --json "$PARTS/eval.json"
-  step eval_fp32 eval.log 45 $PY bench/eval_throughput.py --tokens 65536 --precision fp32 --json "$PARTS/eval_fp32.json"
-  step qlora qlora.log 150 $PY bench/qlora_memory.py --hidden 2048 --layers 16 --batch 4 --seq 512 --steps 3 \
-    --json "$PARTS/qlora.json"
-fi
-
-$PY - "$PARTS" "$OUT/figures.json" "$OUT/tests.log" $DRY <<'EOF'
+cat >"$PARTS/summarize.py" <<'EOF'
 import json, re, sys
 from pathlib import Path
 
 parts, out, tests_log, dry = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4] == "1"
-figures = {p.stem: json.loads(p.read_text()) for p in sorted(parts.glob("*.json"))}
+final = sys.argv[5:] == ["final"]
+figures = {}
+for p in sorted(parts.glob("*.json")):
+    try:
+        figures[p.stem] = json.loads(p.read_text())
+    except json.JSONDecodeError:  # cut off while writing
+        pass
 steps = {}
 for line in (parts / "steps.tsv").read_text().splitlines():
     name, rc, seconds = line.split("\t")
@@ -158,9 +140,42 @@ label = "every GPU-marked test passes" + (" (dry: they skip without a GPU)" if d
 goals[label] = [text, figures["tests"]["passed"]]
 figures["steps"], figures["goals"] = steps, goals
 out.write_text(json.dumps(figures, indent=1))
+if not final:
+    sys.exit(0)
 for name, step in steps.items():
     print(f"{name:<10} exit {step['exit']:>3}  {step['seconds']:>4} s")
 for goal, (value, met) in goals.items():
     print(f"{'met   ' if met else 'MISSED'} {goal}: {value}")
 sys.exit(1 if any(s["exit"] != 0 for s in steps.values()) else 0)
 EOF
+summarize() { $PY "$PARTS/summarize.py" "$PARTS" "$OUT/figures.json" "$OUT/tests.log" $DRY "$@"; }
+
+: >"$PARTS/steps.tsv"
+step() {  # step NAME LOG SECONDS COMMAND...: run it under its limit, appending to LOG; record exit code and time
+  local name=$1 log=$2 limit=$3 t0 rc
+  shift 3
+  t0=$(date +%s)
+  echo "== $name: $*" | tee -a "$OUT/$log"
+  timeout --kill-after=10 "$limit" "$@" >>"$OUT/$log" 2>&1
+  rc=$?
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - t0))" >>"$PARTS/steps.tsv"
+  echo "   exit $rc after $(($(date +%s) - t0)) s" | tee -a "$OUT/$log"
+  summarize
+}
+
+: >"$OUT/tests.log" >"$OUT/pretrain.log" >"$OUT/eval.log" >"$OUT/qlora.log"
+step tests tests.log 130 $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
+if [ $DRY -eq 1 ]; then
+  step pretrain pretrain.log 120 $PY bench/pretrain_mfu.py --dry --profile "$OUT/profile.txt" --json "$PARTS/pretrain.json"
+  tiny=(--tokens 2048 --repeats 1 --hidden 64 --layers 2 --heads 4 --ffn 160 --no-bf16)
+  step eval eval.log 60 $PY bench/eval_throughput.py "${tiny[@]}" --json "$PARTS/eval.json"
+  step eval_fp32 eval.log 60 $PY bench/eval_throughput.py "${tiny[@]}" --precision fp32 --json "$PARTS/eval_fp32.json"
+  step qlora qlora.log 90 $PY bench/qlora_memory.py --hidden 64 --layers 2 --json "$PARTS/qlora.json"
+else
+  step pretrain pretrain.log 150 $PY bench/pretrain_mfu.py --profile "$OUT/profile.txt" --json "$PARTS/pretrain.json"
+  step eval eval.log 40 $PY bench/eval_throughput.py --tokens 65536 --json "$PARTS/eval.json"
+  step eval_fp32 eval.log 40 $PY bench/eval_throughput.py --tokens 65536 --precision fp32 --json "$PARTS/eval_fp32.json"
+  step qlora qlora.log 120 $PY bench/qlora_memory.py --hidden 2048 --layers 16 --batch 4 --seq 512 --steps 3 \
+    --json "$PARTS/qlora.json"
+fi
+summarize final

@@ -126,17 +126,19 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def profile_step(model, args, device: torch.device, dtype: torch.dtype, path: Path) -> dict:
-    """One forward/backward/AdamW step under torch.profiler: top kernels and time by kind."""
+def profile_step(model, args, cfg: loop.TrainConfig, device: torch.device, path: Path) -> dict:
+    """One forward/backward/AdamW step under torch.profiler, with the shapes and the compiled loss of the
+    measured steps (no recompilation): top kernels and time by kind."""
     from torch.profiler import ProfilerActivity, profile
 
-    x = torch.randint(0, args.vocab, (args.micro_batch, args.context), device=device)
+    dtype = cfg.compute_dtype(device)
+    x = torch.randint(0, args.vocab, (args.micro_batch, args.context + 1), device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
     def step():
         with amp:
-            loss = loop.lm_loss(model, x[:, :-1], x[:, 1:], reduction="mean")
+            loss = loop.lm_loss(model, x[:, :-1], x[:, 1:], reduction="sum", compile_mode=cfg.loss_compile_mode)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -229,8 +231,10 @@ def main() -> None:
     }
     if device.type == "cuda":
         figures["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if args.json:  # before profiling: a profile that runs out of time loses nothing measured
+        args.json.write_text(json.dumps(figures, indent=1))
     if args.profile:
-        figures["profile"] = profile_step(result.model, args, device, dtype, args.profile)
+        figures["profile"] = profile_step(result.model, args, cfg, device, args.profile)
     print(
         f"Llama {params / 1e6:.1f}M parameters ({fpt / 1e6:,.1f} MFLOP/token), context {args.context}, "
         f"batch {args.micro_batch}, {args.steps} steps, {dtype}, compile {cfg.compile}, {figures['device']}"

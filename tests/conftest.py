@@ -30,7 +30,8 @@ TINY_MODEL = [
 def stage_env(workdir: Path, **extra) -> dict:
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        # the repository first, then what the caller had (packages installed beside the environment)
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])),
         "PIPELINE_DATA_MIRROR": str(MIRROR),
         "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}",
         **extra,

@@ -50,6 +50,8 @@ def test_the_committed_dvc_lock_is_the_current_dag_on_the_current_params():
     """dvc.lock (the tiny default's run, committed so that `dvc exp show` and `dvc metrics show` have
     main's figures) holds every stage of dvc.yaml with its command, dependencies, outputs and the values
     of its params sections in params.yaml. After changing any of those: `make run`, commit dvc.lock."""
+    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", "dvc.lock"], cwd=ROOT, capture_output=True)
+    assert tracked.returncode == 0, "dvc.lock is not committed"
     lock = yaml.safe_load((ROOT / "dvc.lock").read_text())["stages"]
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     stages = dag.dvc_view(ROOT)

@@ -180,6 +180,13 @@ def decoder_layers(model):
     return inner.model.layers
 
 
+def enable_activation_checkpointing(model, every_n_layers: int = 1) -> None:
+    """transformers' activation checkpointing of every n-th decoder layer (`activation_checkpointing_enable`;
+    `gradient_checkpointing_enable` in the transformers versions before the rename)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(every_n_layers=every_n_layers)
+
+
 def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
     """Put the model on the device and under DDP or FSDP2 (one process: unwrapped)."""
     # (with offload the parameters stay on the host: fully_shard places the shards)
@@ -187,7 +194,7 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
         model.to(rt.device)  # quantized models are loaded onto their device already
     if cfg.activation_checkpointing != "none":
         every = cfg.activation_checkpointing_every if cfg.activation_checkpointing == "selective" else 1
-        model.activation_checkpointing_enable(every_n_layers=every)
+        enable_activation_checkpointing(model, every)
     if not rt.distributed:
         return torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     if cfg.strategy == "ddp":

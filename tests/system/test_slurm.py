@@ -41,8 +41,17 @@ TIMINGS = {
     "ours",  # memory_study's rows: ratios of measured memory and speed
 }  # measured, not computed: they vary from run to run
 UNSTABLE = {
-    "data/tokenize/metrics.json": "encode_s, tokenizer_train_s, tokens_per_s",
+    "data/tokenize/metrics.json": "tokens_per_s",
+    "data/tokenize/figures.json": "encode_s, tokenizer_train_s, tokens_per_s",
     "data/pretrain/metrics.json": "tokens_per_s, mfu",
+    "data/pretrain/figures.json": "tokens_per_s, mfu",
+    "data/eval_perplexity/pretrain/figures.json": "tokens_per_s per context",
+    "data/extend_context/figures.json": "tokens_per_s per fine-tune",
+    "data/finetune_qlora/nf4/figures.json": "tokens_per_s, peak_memory_mb",
+    "data/finetune_qlora/none/figures.json": "tokens_per_s, peak_memory_mb",
+    "data/eval_perplexity/extend_context/figures.json": "tokens_per_s per context",
+    "data/train_gnn/figures.json": "train_s_per_seed, wall_s",
+    "data/memory_study/figures.json": "peak_mb, activation_mb, tokens_per_s per technique",
     "data/eval_perplexity/pretrain/metrics.json": "tokens_per_s per context",
     "data/eval_perplexity/pretrain/table.csv": "its tokens_per_s rows",
     "data/extend_context/metrics.json": "tokens_per_s per fine-tune",
