@@ -62,7 +62,9 @@ def test_mlflow_has_one_run_per_stage_from_rank_zero(by_world_size):
 
     root = by_world_size[2]
     client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("pipeline").experiment_id])
+    experiment = client.get_experiment_by_name("pipeline")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development", "the UI opens on training runs"
+    runs = client.search_runs([experiment.experiment_id])
     assert [r.data.tags["stage"] for r in runs] == ["tokenize"], "one run, logged by rank 0 only"
     run = runs[0]
     assert run.info.status == "FINISHED" and run.data.tags["world_size"] == "2"

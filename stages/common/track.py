@@ -25,6 +25,8 @@ from pathlib import Path
 from stages.common import runtime
 
 EXPERIMENT = os.environ.get("MLFLOW_EXPERIMENT_NAME", "pipeline")
+# The MLflow UI opens an experiment of this kind on its training runs (not on the GenAI overview).
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
 def tracking_off() -> bool:
@@ -258,6 +260,8 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
             experiment_id = client.get_experiment_by_name(EXPERIMENT).experiment_id
     else:
         experiment_id = exp.experiment_id
+    if exp is None or exp.tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
+        client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
     close_orphaned_runs(client, experiment_id, stage)
     group = pipeline_run_id()
     parent = None
