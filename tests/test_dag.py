@@ -52,8 +52,11 @@ def test_the_committed_dvc_lock_is_the_current_dag_on_the_current_params():
     of its params sections in params.yaml. After changing any of those: `make run`, commit dvc.lock."""
     tracked = subprocess.run(["git", "ls-files", "--error-unmatch", "dvc.lock"], cwd=ROOT, capture_output=True)
     assert tracked.returncode == 0, "dvc.lock is not committed"
-    lock = yaml.safe_load((ROOT / "dvc.lock").read_text())["stages"]
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    from ruamel.yaml import YAML
+
+    yaml12 = YAML(typ="safe")  # YAML 1.2, as DVC reads them (5e-05 is a float)
+    lock = yaml12.load((ROOT / "dvc.lock").read_text())["stages"]
+    params = yaml12.load((ROOT / "params.yaml").read_text())
     stages = dag.dvc_view(ROOT)
     assert sorted(lock) == sorted(stages), "dvc.lock is not of this DAG: run `make run` and commit dvc.lock"
     for name, stage in stages.items():
