@@ -60,6 +60,27 @@ def run_stage(module: str, args: list[str], cwd: Path, nproc: int = 1, check: bo
     return proc
 
 
+def run_probe(script: str, args: list, cwd: Path, nproc: int) -> None:
+    """Run tests/<script> under torchrun with `nproc` processes in `cwd`; fail with its stderr."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(ROOT / "tests" / script),
+            *map(str, args),
+        ],
+        cwd=cwd,
+        env=stage_env(cwd),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.fixture(scope="session")
 def mirror() -> Path:
     if not (MIRROR / "tinyshakespeare" / "input.txt").is_file():

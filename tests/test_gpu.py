@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY_MODEL, loss_curve, run_stage, stage_env
+from conftest import TINY_MODEL, loss_curve, run_probe, run_stage
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA GPU here: bf16/nccl paths run on GPU machines"
@@ -46,23 +44,7 @@ def test_nccl_group_of_one_and_fsdp2_bf16_policy_train_like_one_process(tmp_path
     """On one GPU: a nccl process group of one, and the loop's FSDP2 branch (bf16 parameters, fp32
     reduction) through it, gives the losses of the unwrapped bf16 model."""
     out = tmp_path / "probe.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=1",
-            str(ROOT / "tests/fsdp_one_rank_probe.py"),
-            str(out),
-        ],
-        cwd=tmp_path,
-        env=stage_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_probe("fsdp_one_rank_probe.py", [out], tmp_path, nproc=1)
     result = json.loads(out.read_text())
     assert result["backend"] == "nccl" and result["world_size"] == 1 and result["dtype"] == "torch.bfloat16"
     assert np.isfinite(result["fsdp"]).all() and result["fsdp"][-1] < result["fsdp"][0]

@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import MIRROR, ROOT, run_stage, stage_env
+from conftest import MIRROR, ROOT, run_probe, run_stage
 
 from stages import train_gnn
 from stages.common import config
@@ -117,24 +115,7 @@ def test_metrics_report_rows_plot_and_mlflow_curves(trained, prepared):
 
 def test_ddp_step_synchronizes_gradients_across_ranks(tmp_path, mirror):
     out = tmp_path / "probe.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(ROOT / "tests/gnn_ddp_probe.py"),
-            str(MIRROR),
-            str(out),
-        ],
-        cwd=tmp_path,
-        env=stage_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_probe("gnn_ddp_probe.py", [MIRROR, out], tmp_path, nproc=2)
     ranks = [
         {k: torch.tensor(v) if isinstance(v, list) else v for k, v in r.items()} for r in json.loads(out.read_text())
     ]
