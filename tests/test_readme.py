@@ -19,7 +19,7 @@ from conftest import ROOT
 COMMANDS = readme_commands.commands()
 # Programs a README command may start with, beyond the ones checked one by one below.
 SHELL = {"source", "cat", "git"}
-SYSTEM = {"podman", "apptainer", "docker"}  # tried by make test-system where it can install them
+SYSTEM = {"podman", "apptainer", "docker"}  # container tools: optional here
 
 
 def dag_outputs() -> set[str]:
@@ -58,7 +58,7 @@ def test_the_program_of_each_command_exists(command):
             assert os.access(ROOT / program, os.X_OK), f"{command}: {program} is not an executable file here"
         elif program in SYSTEM:
             if shutil.which(program) is None:
-                pytest.skip(f"{program} not installed here (make test-system installs it)")
+                pytest.skip(f"{program} not installed here: its README command is not checked")
         elif program not in SHELL:
             assert shutil.which(program), f"{command}: {program} is not on PATH (is it in requirements.lock?)"
 
