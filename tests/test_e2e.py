@@ -351,6 +351,18 @@ def test_stopped_pipeline_resumes_from_the_stage_checkpoint(clone):
     assert snakemake_ran(sh(run, clone)) == {"pretrain"}
     assert resumed_step(clone) == int(saved.group(1))
     assert json.loads((clone / "data/pretrain/meta.json").read_text())["step"] == 400
+    # In MLflow the stopped invocation's parent run ends KILLED, naming the stage; the re-run's FINISHED.
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{clone / 'mlflow.db'}")
+    parents = client.search_runs(
+        [client.get_experiment_by_name("pipeline").experiment_id],
+        filter_string="tags.pipeline_role = 'parent'",
+        order_by=["attributes.start_time DESC"],
+        max_results=2,
+    )
+    assert [p.info.status for p in parents] == ["FINISHED", "KILLED"], [p.info for p in parents]
+    assert parents[1].data.tags["unfinished_stages"] == "pretrain:KILLED"
 
     # A lost machine: no process survives to clean up. Snakemake keeps its lock until told to drop it.
     set_pretrain(clone, steps=300)

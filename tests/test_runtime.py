@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -182,3 +183,34 @@ def test_a_run_left_running_by_sigkill_is_marked_killed_on_the_next_start(tmp_pa
     with track.start_run("probe", {}, "", runtime.Runtime(0, 1, 0, 1, None)):
         assert client.get_run(killed.info.run_id).info.status == "KILLED"
     assert client.get_run(killed.info.run_id).data.tags["stopped_by"].startswith("killed")
+
+
+def test_a_pipeline_parent_run_ends_with_the_worst_status_of_its_stages(tmp_path, monkeypatch):
+    """Stages of one invocation end one after another: FINISHED while all finished, then KILLED after a
+    stopped stage, then FAILED after a failed one; a stage finishing later changes none of that."""
+    import mlflow
+
+    from stages.common import runtime, track
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("PIPELINE_RUN_ID", "inv-1")
+    monkeypatch.delenv("PIPELINE_STAGE", raising=False)
+    rt = runtime.Runtime(0, 1, 0, 1, None)
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+    def stage(name, error=None):
+        with contextlib.suppress(type(error) if error else ()), track.start_run(name, {}, "", rt):
+            if error:
+                raise error
+        parent = client.search_runs(
+            [client.get_experiment_by_name("pipeline").experiment_id], "tags.pipeline_role = 'parent'"
+        )
+        assert len(parent) == 1
+        return parent[0].info.status, parent[0].data.tags.get("unfinished_stages")
+
+    assert stage("tokenize") == ("FINISHED", None)
+    assert stage("pretrain", runtime.Stopped()) == ("KILLED", "pretrain:KILLED")
+    assert stage("train_gnn") == ("KILLED", "pretrain:KILLED")
+    assert stage("report", RuntimeError("boom")) == ("FAILED", "pretrain:KILLED,report:FAILED")
+    assert stage("memory_study", runtime.Stopped()) == ("FAILED", "pretrain:KILLED,report:FAILED,memory_study:KILLED")

@@ -168,6 +168,23 @@ def _parent_run(client, experiment_id: str, group: str, lock_path: Path) -> str:
         return run.info.run_id
 
 
+def _end_parent(client, parent: str, stage: str, status: str, lock_path: Path) -> None:
+    """The invocation's parent run after one of its stages ended: a stage that failed or was stopped
+    marks it FAILED or KILLED (FAILED wins) and names itself in the tag `unfinished_stages`; a stage that
+    finished leaves it FINISHED only while no stage of the invocation has done otherwise."""
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        run = client.get_run(parent)
+        unfinished = run.data.tags.get("unfinished_stages", "")
+        if status == "FINISHED":
+            if not unfinished:
+                client.set_terminated(parent)
+            return
+        worst = "FAILED" if "FAILED" in (status, run.info.status) else status
+        client.set_tag(parent, "unfinished_stages", ",".join(filter(None, [unfinished, f"{stage}:{status}"])))
+        client.set_terminated(parent, worst)
+
+
 def server_problem(uri: str, timeout_s: float = 10.0) -> str | None:
     """Why the tracking server at an http(s) URI does not answer its health check, or None (also for
     local stores). MLflow's own client retries for minutes before it fails; this asks once."""
@@ -305,4 +322,4 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
         finally:
             mlflow.end_run(status=status)
             if parent:
-                client.set_terminated(parent)
+                _end_parent(client, parent, run_name, status, lock)
