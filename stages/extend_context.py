@@ -193,7 +193,7 @@ def finetune(
     runtime.seed_everything(cfg.train.seed)
     # fp32 master weights everywhere; on GPU the loop computes in bf16 under autocast.
     model = AutoModelForCausalLM.from_pretrained(base, config=model_config, dtype=torch.float32)
-    train_tokens, val_tokens = shards.load_split(data, "train"), shards.load_split(data, "val")
+    train_tokens, val_tokens = shards.open_stream(data, "train"), shards.open_stream(data, "val")
     variant_tracker = PrefixedTracker(tracker, name)
     result = stage.train(model, train_tokens, val_tokens, cfg.train, context, rt, folder, variant_tracker, stop)
     state = ckpt.full_state_dict(result.model, rt)

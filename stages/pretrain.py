@@ -161,7 +161,8 @@ def run(cfg: Config, inp: Path, output: Path, meta_in: dict, rt: runtime.Runtime
     must be gone before the process group is torn down, or gloo's shutdown can deadlock on it."""
     runtime.seed_everything(cfg.train.seed)
     model = build_model(cfg.model, meta_in)
-    train_tokens, val_tokens = shards.load_split(inp, "train"), shards.load_split(inp, "val")
+    # memory-mapped: each process holds the pages its windows read, not the split
+    train_tokens, val_tokens = shards.open_stream(inp, "train"), shards.open_stream(inp, "val")
     digest = stage.inputs_hash([inp], rt)
     with (
         stage.checkpoints(STAGE, cfg, digest, rt) as folder,

@@ -448,3 +448,25 @@ def test_truncated_token_shard_fails_before_training(tokenized, tmp_path, monkey
         ):
             pretrain.main(["--input", str(broken), "--output", "bad", *TINY])
     assert not (tokenized / "bad").exists()
+
+
+def test_memory_mapped_stream_gives_the_windows_of_the_loaded_split(tokenized):
+    """Training reads the shards through memory maps (shards.TokenStream): every slice, across shard
+    borders too, and so every training batch, is the same as from the split loaded whole."""
+    from stages.common import loop, shards
+
+    folder = tokenized / "data/tokenize"
+    whole, stream = shards.load_split(folder, "train"), shards.open_stream(folder, "train")
+    assert len(shards.read_meta(folder)["splits"]["train"]["shards"]) > 1 and len(stream) == len(whole)
+    borders = np.cumsum([len(p) for p in shards.open_split(folder, "train")])[:-1]
+    for start, stop in [(0, 10), (0, len(whole)), (5, 5), (len(whole) - 3, len(whole) + 9)] + [
+        (b - k, b + k) for b in borders for k in (1, 65)
+    ]:
+        got = stream[start:stop]
+        assert got.dtype == np.int64 and np.array_equal(got, whole[start:stop]), (start, stop)
+    a, b = loop.Windows(whole, 64, seed=3), loop.Windows(stream, 64, seed=3)
+    for step in range(5):
+        for x, y in zip(a.batch(step, 2, 6), b.batch(step, 2, 6), strict=True):
+            assert torch.equal(x, y)
+    with pytest.raises(TypeError):
+        stream[3]

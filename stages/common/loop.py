@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stages.common import ckpt, runtime
+from stages.common import ckpt, runtime, shards
 
 STRATEGIES = ("ddp", "fsdp")
 # AdamW in fp32, or bitsandbytes' 8-bit AdamW (block-wise quantized moments: 2 bytes per parameter
@@ -160,7 +160,7 @@ def flops_per_token(model, context_length: int) -> float:
 class Windows:
     """Training windows of `context + 1` tokens drawn from a token stream, a pure function of (seed, step)."""
 
-    def __init__(self, tokens: np.ndarray, context: int, seed: int):
+    def __init__(self, tokens: np.ndarray | shards.TokenStream, context: int, seed: int):
         if len(tokens) < context + 2:
             raise ValueError(f"the split has {len(tokens)} tokens, fewer than one window of {context + 1}")
         self.tokens, self.context, self.seed = tokens, context, seed
@@ -316,7 +316,8 @@ def train(
 ) -> TrainResult:
     """Train `model` (a transformers causal LM, or a PEFT model around one) for cfg.steps optimizer
     steps of sequences of `context_length` tokens, resuming from the newest intact checkpoint in
-    `ckpt_folder`. The data are token streams (np.ndarray, cut into Windows) or batch sources with
+    `ckpt_folder`. The data are token streams (np.ndarray or memory-mapped shards.TokenStream, cut into
+    Windows) or batch sources with
     `batch(step, index, size) -> (inputs, targets)`. A stop signal ends it after the step with a
     checkpoint (`stopped`). Stages hold the folder's lock (stage.checkpoints) around it and their
     publishing, so no second run resumes from or writes into the same folder meanwhile."""
@@ -324,8 +325,9 @@ def train(
     fpt = flops_per_token(model, context_length)
     model = wrap(model, cfg, rt)
     optimizer = make_optimizer(model, cfg)
-    train_w = Windows(train_data, context_length, cfg.seed) if isinstance(train_data, np.ndarray) else train_data
-    val_w = Windows(val_data, context_length, cfg.seed) if isinstance(val_data, np.ndarray) else val_data
+    streams = (np.ndarray, shards.TokenStream)
+    train_w = Windows(train_data, context_length, cfg.seed) if isinstance(train_data, streams) else train_data
+    val_w = Windows(val_data, context_length, cfg.seed) if isinstance(val_data, streams) else val_data
     history = {"step": [], "loss": [], "lr": [], "val_step": [], "val_loss": []}
     start = 0
     # Rank 0 picks the newest intact checkpoint (a damaged one is skipped with a warning); all ranks load it.

@@ -88,6 +88,40 @@ def open_split(folder: str | Path, split: str) -> list[np.memmap]:
     return [np.memmap(folder / name, dtype=dtype, mode="r") for name in meta["splits"][split]["shards"]]
 
 
+class TokenStream:
+    """A split's token stream read through read-only memory maps of its shards: `len()` and slices
+    `[start:stop]` (int64 arrays, crossing shard borders where needed), the same ids as load_split's
+    array without holding the split in memory: a process keeps only the pages it reads, shared with
+    the other processes of the node through the page cache."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = [p for p in parts if len(p)]
+        self.starts = np.cumsum([0, *(len(p) for p in self.parts)])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("a TokenStream takes [start:stop] slices")
+        start, stop, _ = key.indices(len(self))
+        pieces = []
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < stop:
+            offset = int(self.starts[shard])
+            end = min(stop, int(self.starts[shard + 1]))
+            pieces.append(np.asarray(self.parts[shard][start - offset : end - offset], dtype=np.int64))
+            start, shard = end, shard + 1
+        if not pieces:
+            return np.zeros(0, np.int64)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+def open_stream(folder: str | Path, split: str) -> TokenStream:
+    """The split's token stream, memory-mapped (checked against meta.json first)."""
+    return TokenStream(open_split(folder, split))
+
+
 def load_split(folder: str | Path, split: str) -> np.ndarray:
     """The whole token stream of a split in memory (int64)."""
     parts = open_split(folder, split)
