@@ -110,6 +110,7 @@ def test_rest_api_groups_stage_runs_with_metrics_and_artifacts(server):
     _, parent, children = pipeline_runs(server)
     stages = {t["value"] for r in children for t in r["data"]["tags"] if t["key"] == "stage"}
     assert stages == STAGES
+    assert parent["info"]["status"] == "FINISHED", "every stage finished, so the pipeline's run did"
     for run in children:
         name = run["info"]["run_name"]
         assert run["info"]["status"] == "FINISHED", name
