@@ -65,7 +65,8 @@ html-report: $(STAMP)
 
 # `dvc exp show` with the metrics only: params and dependency hashes dropped (they are each a column).
 # KEEP='<regex>' keeps the params or dependencies it matches, e.g. KEEP='pretrain\.train\.lr$$'.
-STAGE_SECTIONS := prepare_data|tokenize|pretrain|extend_context|finetune_qlora|eval_perplexity|context_study|train_gnn|memory_study|report
+# (the params sections: stages.common.config.STAGE_SECTIONS, read when the target runs)
+STAGE_SECTIONS = $(shell python -c "from stages.common.config import STAGE_SECTIONS as s; print('|'.join(s))")
 exp-show:
 	dvc exp show --no-pager --drop '($(STAGE_SECTIONS))\.|(stages|pipelines|containers)/|data/[^:]*$$' $(if $(KEEP),--keep '$(KEEP)')
 

@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from stages import pretrain  # noqa: E402
 from stages.common import loop, runtime  # noqa: E402
 
 DRY = {"hidden": 64, "layers": 2, "heads": 4, "ffn": 160, "vocab": 512, "context": 128, "micro_batch": 4, "steps": 6}
@@ -55,21 +56,19 @@ class StepRecorder:
 
 
 def make_model(args):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=args.vocab,
-            hidden_size=args.hidden,
-            intermediate_size=args.ffn,
-            num_hidden_layers=args.layers,
-            num_attention_heads=args.heads,
-            num_key_value_heads=args.heads,
-            max_position_embeddings=args.context,
-            tie_word_embeddings=False,
-        )
+    """The model the pretrain stage builds, at the bench's sizes."""
+    spec = pretrain.ModelConfig(
+        n_layers=args.layers,
+        hidden_size=args.hidden,
+        n_heads=args.heads,
+        n_kv_heads=args.heads,
+        intermediate_size=args.ffn,
+        max_position_embeddings=args.context,
+        rope_theta=10000.0,
     )
+    torch.manual_seed(0)
+    vocab = {"vocab_size": args.vocab, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1}
+    return pretrain.build_model(spec, vocab)
 
 
 def train_cfg(args) -> loop.TrainConfig:
