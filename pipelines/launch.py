@@ -115,6 +115,18 @@ def forget_snakemake_records(stage: str) -> None:
         )
 
 
+def mark_pipeline(stage: str, code: int) -> None:
+    """A stage that did not finish marks its pipeline's MLflow parent run FAILED or KILLED, also when it
+    stopped before opening its own run (stages/common/track.py: record_stage_end). Tracking never
+    changes the stage's exit code."""
+    try:
+        from stages.common import track
+
+        track.record_stage_end(stage, code)
+    except Exception as e:  # noqa: BLE001 - a tracking problem must not hide the stage's own failure
+        print(f"launch: could not mark the pipeline's MLflow run: {e}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
@@ -169,6 +181,8 @@ def main() -> None:
     if code != 0 and stopped.exists():
         code = 143  # stopped after a checkpoint: re-running resumes (schedulers read 143 as preempted)
     stopped.unlink(missing_ok=True)
+    if code != 0:
+        mark_pipeline(sys.argv[1], code)
     if code == 0 and not os.environ.get("PIPELINE_SNAKEMAKE"):
         forget_snakemake_records(sys.argv[1])
     if warned and code != 0 and os.environ.get("SLURM_JOB_ID"):

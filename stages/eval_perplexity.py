@@ -24,7 +24,9 @@ split's UTF-8 bytes and whitespace-separated words, as lm-evaluation-harness def
 
 Models: `--models label=path ...`; a PEFT adapter on a base model is `label=base_dir+adapter_dir`
 (loaded as `PeftModel.from_pretrained(base, adapter_dir)`); without `label=` the label is the last
-folder name. A folder holding checkpoints in subfolders (and no config.json of its own) stands for
+folder name. A model of the MLflow model registry is `models:/<name>@<alias>` or
+`models:/<name>/<version>` (labelled by its name unless `label=` is given; the run is tagged with the
+version it resolved to). A folder holding checkpoints in subfolders (and no config.json of its own) stands for
 all of them, each labelled by its subfolder's name. Labels must differ from this stage's params keys.
 
 Run:
@@ -34,6 +36,8 @@ Run:
         --text notes.txt --output data/eval_perplexity/notes contexts=[256,512] extrapolate=true
     torchrun --nproc-per-node 2 -m stages.eval_perplexity --models pretrain=data/pretrain/model \\
         --input data/tokenize --output data/eval_perplexity/pretrain
+    python -m stages.eval_perplexity --models models:/pretrain@reproduced --input data/tokenize \\
+        --output data/eval_perplexity/registered
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages.common import atomic, ckpt, config, runtime, shards, stage, track
+from stages.common import atomic, ckpt, config, registry, runtime, shards, stage, track
 
 STAGE = "eval_perplexity"
 METRICS = ("nll", "perplexity", "bits_per_byte", "byte_perplexity", "word_perplexity", "tokens", "tokens_per_s")
@@ -94,6 +98,7 @@ class ModelSpec:
     label: str
     path: Path
     adapter: Path | None
+    registered: str = ""  # models:/<name>/<version> of a registered model
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,12 @@ def parse_models(items: list[str]) -> list[ModelSpec]:
     specs = []
     for item in items:
         label, _, where = item.partition("=") if "=" in item else ("", "", item)
+        if registry.is_uri(where):
+            # A registered version (the registry's folder, as its stage wrote it), labelled by its name.
+            folder, version = registry.resolve(where)
+            default = version.removeprefix("models:/").rpartition("/")[0]
+            specs.append(ModelSpec(label or default, folder, None, version))
+            continue
         base, _, adapter = where.partition("+")
         family = sorted(d for d in Path(base).glob("*/") if (d / "config.json").is_file())
         if not adapter and not (Path(base) / "config.json").is_file() and family:
@@ -460,6 +471,7 @@ def main(argv=None) -> dict:
     stage.exit_if_checking(args, STAGE, cfg)
     inputs = [p for s in specs for p in (s.path, s.adapter) if p] + [text or Path(args.input)]
     tags = {"models": " ".join(model_items), "data": str(text or f"{args.input}:{cfg.split}")}
+    tags |= {f"model.{s.label}": s.registered for s in specs if s.registered}
 
     def body(rt, stop):
         with stage.tracked(STAGE, cfg, inputs, rt, tags=tags) as (tracker, _):

@@ -330,6 +330,8 @@ def run(base: Path, data: Path, output: Path, cfg: Config, configs: dict, origin
             tracker.log_artifact(output / "meta.json")
             if summaries:
                 tracker.log_artifact(output / "plots", "plots")
+            variants = {name: output / "model" / name for name in meta["variants"]}
+            stage.register_models(tracker, STAGE, cfg, variants, output, [base, data], digest)
             for final in finals.values():  # published: the fine-tunes' checkpoints are spent
                 ckpt.discard(final.parent)
     runtime.print0(

@@ -174,6 +174,7 @@ def run(cfg: Config, inp: Path, output: Path, meta_in: dict, rt: runtime.Runtime
         if rt.is_main:
             tracker.log_artifact(output / "plots/loss.png", "plots")
             tracker.log_artifact(output / "meta.json")
+            stage.register_models(tracker, STAGE, cfg, {None: output / "model"}, output, [inp], digest)
             ckpt.discard(folder)  # the run is complete; its checkpoints are spent
     val = meta["final_val_loss"]
     runtime.print0(

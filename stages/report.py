@@ -25,6 +25,10 @@ Each becomes a row of the same schema, within `regression_tolerance` (relative) 
 Without a record for these params, the report names the nearest record and the settings that differ
 (records keep their params sections). After a change meant to move them: `python -m pipelines.record`.
 
+Registry: with MLflow tracking on, every model whose rows all pass (a stage's rows are about its model,
+a regression row about the model it evaluated) gets the alias `reproduced` in the MLflow model registry,
+on the version registered from the very output folder this report read (stages/common/registry.py).
+
 Run:
     python -m stages.report --output reports --inputs data/prepare_data data/tokenize ...
     snakemake --cores all report              # or: dvc repro report
@@ -38,7 +42,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.common import atomic, ckpt, config, runtime, stage, track
+from stages.common import atomic, ckpt, config, registry, runtime, stage, track
 
 STAGE = "report"
 ROW_FIELDS = (
@@ -290,6 +294,7 @@ def regression(stage_metrics: dict, params: dict, cfg: Config, commit: str) -> d
                             "stage": label,
                             "git_commit": commit,
                             "data_hashes": {},
+                            "model": evaluated_model(label, model),
                         }
                     )
     return {
@@ -299,6 +304,45 @@ def regression(stage_metrics: dict, params: dict, cfg: Config, commit: str) -> d
         "rows": rows,
         "nearest": None if record is not None else nearest_record(records, params),
     }
+
+
+def evaluated_model(label: str, model: str) -> str:
+    """The registered name of a model an eval_perplexity stage scored: eval_perplexity/pretrain's model
+    `pretrain` is `pretrain`, eval_perplexity/extend_context's `yarn-ft` is `extend_context-yarn-ft`."""
+    source = label.partition("/")[2]
+    return registry.model_name(source, None if model == source else model)
+
+
+def row_subjects(doc: dict) -> dict[str, tuple[str, list]]:
+    """{registered model name: (label of the stage output holding it, passes of the rows about it)}: a
+    stage's rows are about its model (finetune_qlora/nf4 -> finetune_qlora-nf4), a regression row
+    about the model it evaluated. Names no stage registered find no versions later."""
+    subjects: dict[str, tuple[str, list]] = {}
+    for row in doc["rows"]:
+        stage_name, _, item = row["stage"].partition("/")
+        subjects.setdefault(registry.model_name(stage_name, item or None), (row["stage"], []))[1].append(row["pass"])
+    for row in doc["regression"]["rows"]:
+        source = row["stage"].partition("/")[2]
+        subjects.setdefault(row["model"], (source, []))[1].append(row["pass"])
+    return subjects
+
+
+def mark_reproduced(doc: dict, inputs: list[Path]) -> dict[str, int]:
+    """Set the registry alias `reproduced` on each model whose report rows all pass: on the newest
+    version registered from the output folder the report read (matched by its DVC hash). Returns
+    {name: version}."""
+    folders = {stage_label(p): p for p in inputs}
+    hashes, marked = {}, {}
+    for name, (label, passes) in sorted(row_subjects(doc).items()):
+        if not passes or not all(p is True for p in passes) or label not in folders:
+            continue
+        if label not in hashes:
+            hashes[label] = registry.dvc_md5(folders[label])
+        found = registry.versions_with(name, "output_dvc_md5", hashes[label])
+        if found:
+            registry.set_alias(name, int(found[0].version))
+            marked[name] = int(found[0].version)
+    return marked
 
 
 def comparisons(stage_metrics: dict) -> dict:
@@ -341,6 +385,14 @@ def main(argv=None) -> dict:
                 )
                 tracker.log_artifact(output / "results.md")
                 tracker.log_artifact(output / "results.json")
+                if tracker:
+                    reproduced = mark_reproduced(doc, inputs)
+                    tracker.set_tags({"reproduced_models": ",".join(f"{k}:{v}" for k, v in reproduced.items())})
+                    if reproduced:
+                        print(
+                            f"report: registry alias '{registry.ALIAS}' set on "
+                            + ", ".join(f"{k} version {v}" for k, v in reproduced.items())
+                        )
             print(
                 f"report: {len(doc['rows'])} reproduced result(s), {len(doc['regression']['rows'])} regression row(s), "
                 f"{len(doc['stage_metrics'])} stage(s) -> {args.output}/results.md"

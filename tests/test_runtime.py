@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -214,3 +215,30 @@ def test_a_pipeline_parent_run_ends_with_the_worst_status_of_its_stages(tmp_path
     assert stage("train_gnn") == ("KILLED", "pretrain:KILLED")
     assert stage("report", RuntimeError("boom")) == ("FAILED", "pretrain:KILLED,report:FAILED")
     assert stage("memory_study", runtime.Stopped()) == ("FAILED", "pretrain:KILLED,report:FAILED,memory_study:KILLED")
+
+
+def test_a_stage_failing_before_its_run_opens_marks_its_pipeline_failed(tmp_path):
+    """Bad input stops a stage before it opens an MLflow run; its launcher marks the pipeline's parent
+    run FAILED (creating it: no stage of the invocation had opened one) and names the stage once."""
+    import mlflow
+    from conftest import stage_env
+
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    env = {**stage_env(tmp_path, PIPELINE_NPROC_PER_NODE="1"), "PIPELINE_RUN_ID": "inv-fail"}
+    args = ["--input", "data/missing", "--output", "data/pretrain"]
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-m", "pipelines.launch", "pretrain", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 2 and "data/missing" in proc.stderr, proc.stderr[-2000:]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("pipeline")
+    runs = client.search_runs([exp.experiment_id])
+    assert [r.data.tags["pipeline_role"] for r in runs] == ["parent"], "no stage run opened"
+    assert runs[0].info.status == "FAILED" and runs[0].data.tags["pipeline_run"] == "inv-fail"
+    assert runs[0].data.tags["unfinished_stages"] == "pretrain:FAILED"

@@ -32,7 +32,7 @@ import signal
 import sys
 from pathlib import Path
 
-from stages.common import atomic, ckpt, config, loop, runtime, track
+from stages.common import atomic, ckpt, config, loop, registry, runtime, track
 
 STOPPED_EXIT_CODE = 143
 Stopped = runtime.Stopped
@@ -198,6 +198,21 @@ def publish(output: str | Path, rt: runtime.Runtime, write):
         if rt.is_main:
             result = write(tmp)
     return runtime.broadcast_object(result)
+
+
+def register_models(tracker, section: str, cfg, models: dict, output, inputs: list, digest: str) -> dict:
+    """Register each model folder the stage published in `output` ({item or None: folder}) in the MLflow
+    model registry as `<section>` or `<section>-<item>`, with its lineage (stages/common/registry.py).
+    Rank 0 with a run open; returns {registered name: version}."""
+    if not tracker:
+        return {}
+    tags = registry.lineage(Path(output), [Path(p) for p in inputs], config.as_dict(cfg), digest)
+    versions = {}
+    for item, folder in models.items():
+        name = registry.model_name(section, item)
+        what = f"{section} stage's model" + (f" ({item})" if item else "")
+        versions[name] = registry.register(tracker, name, Path(folder), tags, f"The {what}, registered by each run.")
+    return versions
 
 
 def entry(main) -> None:

@@ -20,6 +20,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from stages.common import runtime
@@ -27,6 +28,32 @@ from stages.common import runtime
 EXPERIMENT = os.environ.get("MLFLOW_EXPERIMENT_NAME", "pipeline")
 # The MLflow UI opens an experiment of this kind on its training runs (not on the GenAI overview).
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+# The runs table as `make mlflow-ui` opens it (#/experiments/<id>/runs?viewStateShareKey=training): a
+# saved view of the MLflow UI (also in its "Views" menu), with the columns a user compares across the
+# stage runs, newest first, stage runs nested under their pipeline run.
+VIEW = "training"
+VIEW_COLUMNS = (
+    "tags.`git_commit`",
+    "metrics.`loss`",
+    "metrics.`val_loss`",
+    "metrics.`eval_loss`",
+    "metrics.`tokens_per_s`",
+    "metrics.`mfu`",
+    "metrics.`peak_memory_mb`",
+    "metrics.`gcn_test_acc_mean`",
+    "metrics.`gat_test_acc_mean`",
+    "metrics.`rows_passed`",
+    "metrics.`rows_failed`",
+    "params.`train.steps`",
+    "params.`train.lr`",
+    "params.`train.strategy`",
+    "params.`train.optimizer`",
+    "params.`model.n_layers`",
+    "params.`model.hidden_size`",
+    "params.`context_length`",
+    "params.`vocab_size`",
+    "params.`quantization`",
+)
 
 
 def tracking_off() -> bool:
@@ -37,6 +64,25 @@ def tracking_off() -> bool:
 
         raise UserError(f"PIPELINE_TRACKING must be 'on' or 'off', got {value!r}")
     return value == "off"
+
+
+def view_tag() -> tuple[str, str]:
+    """The experiment tag holding the saved view VIEW, in the MLflow UI's format."""
+    state = {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": list(VIEW_COLUMNS)}
+    envelope = {"name": "Training runs", "createdAt": int(time.time() * 1000), "state": json.dumps(state)}
+    return f"mlflow.sharedViewState.{VIEW}", json.dumps(envelope)
+
+
+def _view_state(tag: str | None):
+    try:
+        return json.loads(json.loads(tag)["state"])
+    except (TypeError, ValueError, KeyError):
+        return None
+
+
+def view_url(base: str, experiment_id: str) -> str:
+    """The page of the experiment's runs table in the saved view."""
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW}"
 
 
 def tracking_uri(root: Path | None = None) -> str:
@@ -181,7 +227,9 @@ def _end_parent(client, parent: str, stage: str, status: str, lock_path: Path) -
                 client.set_terminated(parent)
             return
         worst = "FAILED" if "FAILED" in (status, run.info.status) else status
-        client.set_tag(parent, "unfinished_stages", ",".join(filter(None, [unfinished, f"{stage}:{status}"])))
+        entry = f"{stage}:{status}"
+        if entry not in unfinished.split(","):  # the stage's run, then its launcher, report the same end
+            client.set_tag(parent, "unfinished_stages", ",".join(filter(None, [unfinished, entry])))
         client.set_terminated(parent, worst)
 
 
@@ -242,6 +290,55 @@ def close_orphaned_runs(client, experiment_id: str, stage: str) -> list[str]:
     return closed
 
 
+def experiment(root: Path):
+    """(client, id) of the experiment EXPERIMENT, created on first use with its kind and saved view."""
+    import mlflow
+
+    uri = tracking_uri(root)
+    client = mlflow.MlflowClient(uri)
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    if exp is None:
+        location = (root / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
+        try:
+            experiment_id = client.create_experiment(EXPERIMENT, artifact_location=location)
+        except mlflow.exceptions.MlflowException:  # created meanwhile by a parallel stage
+            experiment_id = client.get_experiment_by_name(EXPERIMENT).experiment_id
+    else:
+        experiment_id = exp.experiment_id
+    tags = {} if exp is None else exp.tags
+    if tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
+        client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
+    key, view = view_tag()
+    if _view_state(tags.get(key)) != _view_state(view):
+        client.set_experiment_tag(experiment_id, key, view)
+    return client, experiment_id
+
+
+def parent_lock(root: Path) -> Path:
+    """The file lock serializing changes to parent runs."""
+    if tracking_uri(root).startswith("sqlite:"):
+        return root / "mlflow.db.lock"
+    return Path(tempfile.gettempdir()) / "mlflow-pipeline.lock"
+
+
+def record_stage_end(label: str, code: int) -> str | None:
+    """After a stage's processes exited with `code` (the launcher calls this): mark the pipeline's parent
+    run FAILED (or KILLED, for exit 143 or a stop signal) as `_end_parent` does, also for a stage that
+    failed before it opened its own run (bad params, a missing input), creating the parent run when
+    none of the invocation's stages had. Returns the parent's id; None without a pipeline invocation,
+    with tracking off, or with a tracking server that does not answer."""
+    group = pipeline_run_id()
+    if code == 0 or not group or tracking_off() or server_problem(tracking_uri()):
+        return None
+    killed = code in (143, 130, -15, -2)
+    root = Path.cwd().resolve()
+    client, experiment_id = experiment(root)
+    lock = parent_lock(root)
+    parent = _parent_run(client, experiment_id, group, lock)
+    _end_parent(client, parent, label, "KILLED" if killed else "FAILED", lock)
+    return parent
+
+
 @contextlib.contextmanager
 def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, tags: dict | None = None):
     """Open the stage's MLflow run on rank 0 (yield a Tracker; a silent one on other ranks).
@@ -262,32 +359,16 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
             f"MLFLOW_TRACKING_URI at a running one, or unset it to track to ./mlflow.db"
         )
     import mlflow
-    from mlflow.tracking import MlflowClient
 
     root = Path.cwd().resolve()
     uri = tracking_uri(root)
     mlflow.set_tracking_uri(uri)
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(EXPERIMENT)
-    if exp is None:
-        location = (root / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
-        try:
-            experiment_id = client.create_experiment(EXPERIMENT, artifact_location=location)
-        except mlflow.exceptions.MlflowException:  # created meanwhile by a parallel stage
-            experiment_id = client.get_experiment_by_name(EXPERIMENT).experiment_id
-    else:
-        experiment_id = exp.experiment_id
-    if exp is None or exp.tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
-        client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
+    client, experiment_id = experiment(root)
     close_orphaned_runs(client, experiment_id, stage)
     group = pipeline_run_id()
     parent = None
+    lock = parent_lock(root)
     if group:
-        lock = (
-            root / "mlflow.db.lock"
-            if uri.startswith("sqlite:")
-            else Path(tempfile.gettempdir()) / "mlflow-pipeline.lock"
-        )
         parent = _parent_run(client, experiment_id, group, lock)
     all_tags = {
         "stage": stage,

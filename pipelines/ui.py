@@ -1,0 +1,38 @@
+"""Print the pages of the MLflow UI to open for this repository's store: `make mlflow-ui` runs it first.
+
+    python -m pipelines.ui [PORT]
+
+The runs table in the saved view `training` (the columns a user compares across stage runs, see
+stages/common/track.py: VIEW_COLUMNS) and the registered models. Before any stage ran, the experiment
+does not exist yet and only the server's address is printed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from stages.common import track
+
+
+def pages(base: str, root: Path) -> list[str]:
+    import mlflow
+
+    store = root / "mlflow.db"
+    uri = track.tracking_uri(root)
+    if uri.startswith("sqlite:") and not store.is_file():
+        return [base]
+    exp = mlflow.MlflowClient(uri).get_experiment_by_name(track.EXPERIMENT)
+    if exp is None:
+        return [base]
+    return [track.view_url(base, exp.experiment_id), f"{base}/#/models"]
+
+
+def main() -> None:
+    port = sys.argv[1] if len(sys.argv) > 1 else "5000"
+    for page in pages(f"http://127.0.0.1:{port}", Path.cwd().resolve()):
+        print(f"open {page}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

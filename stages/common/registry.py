@@ -1,0 +1,183 @@
+"""The MLflow model registry: every published model becomes a version of a registered model, with its lineage.
+
+Names: a stage's model is registered under the stage's name (`pretrain`), a stage's model per item or
+variant as `<stage>-<item>` (`extend_context-yarn-ft`, `finetune_qlora-nf4`). Each version stores the
+Hugging Face folder as an artifact of the stage's run (`models/<name>`: hard links into a local artifact
+store, so no second copy on disk; an upload elsewhere) and carries its lineage as tags:
+
+    git_commit        the code that trained it
+    dvc_md5           DVC's content hash of the model folder (`<md5>.dir`, as `dvc` computes it)
+    output            the stage's output folder, and output_dvc_md5 its hash: the `md5` of that out in dvc.lock
+    params_sha256     sha256 of the stage's params section as the stage read it (overrides applied)
+    inputs_hash       the stage's own content hash of its inputs (also on the run)
+    input.<path>      DVC's content hash of each input (the `md5` of that dep in dvc.lock)
+
+The report stage sets the alias `reproduced` on the version whose report rows all pass. A version loads
+as the stage wrote it: `AutoModelForCausalLM.from_pretrained(resolve("models:/pretrain@reproduced"))`, and
+`eval_perplexity --models models:/pretrain@reproduced` evaluates it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from stages.common import config, track
+
+ALIAS = "reproduced"
+
+
+def model_name(stage: str, item: str | None = None) -> str:
+    return f"{stage}-{item}" if item else stage
+
+
+def dvc_md5(path: str | Path, root: str | Path | None = None) -> str:
+    """DVC's content hash of a file or folder: `<md5>` or `<md5>.dir`, the value dvc.lock records for it
+    (files DVC ignores under `root`, the repository, are left out as DVC leaves them out)."""
+    from dvc.ignore import DvcIgnoreFilter
+    from dvc_data.hashfile.build import build
+    from dvc_data.hashfile.db import HashFileDB
+    from dvc_objects.fs.local import LocalFileSystem
+
+    fs = LocalFileSystem()
+    path = Path(path).resolve()
+    root = Path(root or Path.cwd()).resolve()
+    ignore = DvcIgnoreFilter(fs, str(root)) if path.is_relative_to(root) else None
+    with tempfile.TemporaryDirectory() as scratch:
+        _, _, obj = build(HashFileDB(fs, scratch), str(path), fs, "md5", dry_run=True, ignore=ignore)
+    return obj.hash_info.value
+
+
+def params_sha256(section: dict) -> str:
+    return hashlib.sha256(json.dumps(section, sort_keys=True).encode()).hexdigest()
+
+
+def lineage(output: Path, inputs: list[Path], section: dict, inputs_hash: str) -> dict:
+    """The lineage tags shared by the models a stage published in `output` (see the module docstring)."""
+    return {
+        "git_commit": track.git_commit(),
+        "output": str(output),
+        "output_dvc_md5": dvc_md5(output),
+        "params_sha256": params_sha256(section),
+        "inputs_hash": inputs_hash,
+        **{f"input.{p}": dvc_md5(p) for p in inputs if Path(p).exists()},
+    }
+
+
+def _client():
+    import mlflow
+
+    return mlflow.MlflowClient(track.tracking_uri())
+
+
+def _local_path(uri: str) -> Path | None:
+    parsed = urlparse(uri)
+    if parsed.scheme == "file" or (parsed.scheme == "" and uri.startswith("/")):
+        return Path(unquote(parsed.path))
+    return None
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # published files are replaced, never written in place: sharing them is safe
+    except OSError:
+        shutil.copy2(src, dst)  # another filesystem, or links not allowed
+
+
+def store_folder(tracker: track.Tracker, folder: Path, artifact_path: str) -> None:
+    """`folder` as the artifact `artifact_path` of the tracker's run."""
+    run = _client().get_run(tracker.run_id)
+    local = _local_path(run.info.artifact_uri)
+    if local is None:
+        tracker.log_artifact(folder, artifact_path)
+        return
+    dest = local / artifact_path
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(folder, tmp, copy_function=_link_or_copy)
+    tmp.rename(dest)
+
+
+def register(tracker: track.Tracker, name: str, folder: Path, tags: dict, description: str) -> int | None:
+    """Register the Hugging Face model in `folder` as a new version of `name`, tagged with `tags` (its
+    stage's lineage) and its own `dvc_md5`; returns the version, or None without a run (other ranks,
+    tracking off)."""
+    if not tracker:
+        return None
+    from mlflow.exceptions import MlflowException
+
+    client = _client()
+    artifact_path = f"models/{name}"
+    store_folder(tracker, folder, artifact_path)
+    try:
+        client.create_registered_model(name, description=description)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    version = client.create_model_version(
+        name,
+        source=f"runs:/{tracker.run_id}/{artifact_path}",
+        run_id=tracker.run_id,
+        tags={**tags, "dvc_md5": dvc_md5(folder)},
+    )
+    tracker.set_tags({f"registered_model.{name}": str(version.version)})
+    return int(version.version)
+
+
+def versions_with(name: str, key: str, value: str) -> list:
+    """The versions of registered model `name` whose tag `key` equals `value`, newest first."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        found = _client().search_model_versions(f"name = '{name}' and tags.`{key}` = '{value}'")
+    except MlflowException:
+        return []
+    return sorted(found, key=lambda v: int(v.version), reverse=True)
+
+
+def set_alias(name: str, version: int, alias: str = ALIAS) -> None:
+    _client().set_registered_model_alias(name, alias, str(version))
+
+
+def is_uri(text: str) -> bool:
+    return text.startswith("models:/")
+
+
+def resolve(uri: str) -> tuple[Path, str]:
+    """A registered model version as a local folder, and the version's `models:/<name>/<version>` URI.
+    `uri` is `models:/<name>@<alias>` or `models:/<name>/<version>`; a version in a local artifact store
+    is read where it is, any other is downloaded."""
+    from mlflow.exceptions import MlflowException
+
+    ref = uri.removeprefix("models:/")
+    name, at, alias = ref.partition("@")
+    if not at:
+        name, _, number = ref.rpartition("/")
+    where = f"{uri} (registry {track.tracking_uri()})"
+    if not name or not (alias if at else number.isdigit()):
+        raise config.UserError(f"{uri}: write a registered model as models:/<name>@<alias> or models:/<name>/<version>")
+    client = _client()
+    try:
+        version = client.get_model_version_by_alias(name, alias) if at else client.get_model_version(name, number)
+    except MlflowException:
+        known = sorted(m.name for m in client.search_registered_models(max_results=1000))
+        raise config.UserError(
+            f"{where}: no such registered model version; registered models: {', '.join(known) or 'none'} "
+            f"(a stage that publishes a model registers it; `report` sets the alias '{ALIAS}')"
+        ) from None
+    source = client.get_model_version_download_uri(name, version.version)
+    if source.startswith("runs:/"):  # the artifact of a run: where that run keeps its artifacts
+        run_id, _, path = source.removeprefix("runs:/").partition("/")
+        source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{path}"
+    local = _local_path(source)
+    if local is None or not local.is_dir():
+        import mlflow
+
+        local = Path(mlflow.artifacts.download_artifacts(source, tracking_uri=track.tracking_uri()))
+    return local, f"models:/{name}/{version.version}"
