@@ -3,7 +3,7 @@
     python -m pipelines.ui [PORT]
 
 The runs table in the saved view `training` (the columns a user compares across stage runs, see
-stages/common/track.py: VIEW_COLUMNS) and the registered models. Before any stage ran, the experiment
+stages/common/track.py: VIEW_COLUMNS) and the registered models, both in the UI's model-training mode. Before any stage ran, the experiment
 does not exist yet and only the server's address is printed.
 """
 
@@ -18,14 +18,13 @@ from stages.common import track
 def pages(base: str, root: Path) -> list[str]:
     import mlflow
 
-    store = root / "mlflow.db"
     uri = track.tracking_uri(root)
-    if uri.startswith("sqlite:") and not store.is_file():
-        return [base]
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        return [base]  # no stage ran: nothing to show yet (and no empty store to create)
     exp = mlflow.MlflowClient(uri).get_experiment_by_name(track.EXPERIMENT)
     if exp is None:
         return [base]
-    return [track.view_url(base, exp.experiment_id), f"{base}/#/models"]
+    return [track.view_url(base, exp.experiment_id), f"{base}/#/models?{track.UI_QUERY}"]
 
 
 def main() -> None:

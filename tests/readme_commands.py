@@ -68,6 +68,8 @@ HOW: dict[str, tuple[str, str]] = {
     "dvc remote add -d store s3://bucket/pipeline-cache": ("marked", "network: a cloud bucket and credentials"),
     "dvc push": ("marked", "network: needs the remote above"),
     'git add .dvc/config dvc.lock && git commit -m "results"': ("marked", "commits in the user's repository"),
+    "python -m stages.eval_perplexity --models models:/pretrain@reproduced --input data/tokenize "
+    "--output data/eval_perplexity/registered": ("check", "resolves the registered model"),
     "make mlflow-ui": ("marked", "a server (tests/system/test_browser.py serves it and browses it)"),
     "make mlflow-ui MLFLOW_PORT=5001": ("marked", "a server (tests/system/test_browser.py)"),
     "hf auth login": ("marked", "network: interactive hub login"),

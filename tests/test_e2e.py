@@ -142,6 +142,8 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     regression = json.loads((clone / "reports/results.json").read_text())["regression"]
     assert len(regression["rows"]) == 4 + 7 * 4 and all(r["pass"] for r in regression["rows"]), regression
 
+    check_registry(clone)
+
     assert "Nothing to be done" in sh("snakemake --cores 2", clone)
     assert dvc_ran(sh("dvc repro", clone)) == set()
 
@@ -243,6 +245,59 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     )
     assert proc.returncode == 0 and snakemake_ran(proc.stdout + proc.stderr) == {"context_study"}, proc.stderr[-3000:]
     assert "context_study:" not in sh("dvc status", clone), "the rule's dvc commit ran too"
+
+    # A stage stopped by bad params before it opens its MLflow run still marks its invocation's run FAILED,
+    # under either tool; the runs of the stages before it stay as they were.
+    params = (clone / "params.yaml").read_text()
+    set_growth(clone, 0.5)
+    for tool in ("dvc repro context_study", "snakemake --cores 2 context_study"):
+        proc = subprocess.run(tool, shell=True, cwd=clone, env=env_for(clone), capture_output=True, text=True)
+        assert proc.returncode != 0 and "unscaled_growth must be >= 1" in proc.stdout + proc.stderr, tool
+    client = mlflow.MlflowClient(f"sqlite:///{clone / 'mlflow.db'}")
+    failed = client.search_runs(
+        [client.get_experiment_by_name("pipeline").experiment_id],
+        "tags.pipeline_role = 'parent' and attributes.status = 'FAILED'",
+    )
+    assert sorted(r.data.tags["pipeline_run"][:4] for r in failed) == ["dvc-", "smk-"]
+    assert all(r.data.tags["unfinished_stages"] == "context_study:FAILED" for r in failed)
+    (clone / "params.yaml").write_text(params)
+    assert UP_TO_DATE in sh("dvc status", clone)
+
+
+def check_registry(clone: Path) -> None:
+    """After a whole pipeline: every published model is a registered version whose lineage is dvc.lock's,
+    the report set the alias `reproduced` on the models whose rows pass, and eval_perplexity reads a
+    registered model by alias with the numbers of its folder."""
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{clone / 'mlflow.db'}")
+    variants = [
+        f"extend_context-{v}" for v in json.loads((clone / "data/extend_context/meta.json").read_text())["variants"]
+    ]
+    models = {m.name: m for m in client.search_registered_models()}
+    assert set(models) == {"pretrain", "finetune_qlora-nf4", "finetune_qlora-none", *variants}
+    lock = yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
+    for stage, name, deps in (
+        ("pretrain", "pretrain", ["data/tokenize"]),
+        ("extend_context", variants[0], ["data/tokenize"]),
+        ("finetune_qlora@nf4", "finetune_qlora-nf4", []),
+    ):
+        (version,) = client.search_model_versions(f"name = '{name}'")
+        assert version.tags["output_dvc_md5"] == lock[stage]["outs"][0]["md5"], name
+        for dep in lock[stage]["deps"]:
+            if dep["path"] in deps:
+                assert version.tags[f"input.{dep['path']}"] == dep["md5"], (name, dep["path"])
+    results = json.loads((clone / "reports/results.json").read_text())
+    nf4 = [r["pass"] for r in results["rows"] if r["stage"] == "finetune_qlora/nf4"]
+    expected = {"pretrain", *variants} | ({"finetune_qlora-nf4"} if nf4 and all(nf4) else set())
+    assert {name for name, m in models.items() if "reproduced" in m.aliases} == expected
+    sh(
+        "python -m stages.eval_perplexity --models folder=data/pretrain/model models:/pretrain@reproduced "
+        "--input data/tokenize --output ../registered_eval contexts=[64] max_tokens=4000",
+        clone,
+    )
+    figures = json.loads((clone.parent / "registered_eval/figures.json").read_text())["models"]
+    assert figures["pretrain"]["ctx64"]["nll"] == figures["folder"]["ctx64"]["nll"]
 
 
 @pytest.mark.timeout(900)

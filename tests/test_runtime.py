@@ -242,3 +242,20 @@ def test_a_stage_failing_before_its_run_opens_marks_its_pipeline_failed(tmp_path
     assert [r.data.tags["pipeline_role"] for r in runs] == ["parent"], "no stage run opened"
     assert runs[0].info.status == "FAILED" and runs[0].data.tags["pipeline_run"] == "inv-fail"
     assert runs[0].data.tags["unfinished_stages"] == "pretrain:FAILED"
+
+
+def test_git_commit_is_dirty_for_changed_code_not_for_dvc_lock(tmp_path):
+    from stages.common import track
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
+    (tmp_path / "stage.py").write_text("x = 1\n")
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\n")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-qm", "init"], cwd=tmp_path, check=True)
+    head = track.git_commit(tmp_path)
+    assert len(head) == 40
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\nstages: {}\n")  # the pipeline recording its stages
+    assert track.git_commit(tmp_path) == head
+    (tmp_path / "stage.py").write_text("x = 2\n")
+    assert track.git_commit(tmp_path) == head + "-dirty"

@@ -26,10 +26,13 @@ from pathlib import Path
 from stages.common import runtime
 
 EXPERIMENT = os.environ.get("MLFLOW_EXPERIMENT_NAME", "pipeline")
-# The MLflow UI opens an experiment of this kind on its training runs (not on the GenAI overview).
+# The experiment's kind: model training, not a GenAI app. (MLflow 3.17's UI picks its views from a
+# switch of its own, remembered per browser, defaulting to GenAI; the links `make mlflow-ui` prints set
+# it to model training: UI_QUERY.)
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
-# The runs table as `make mlflow-ui` opens it (#/experiments/<id>/runs?viewStateShareKey=training): a
-# saved view of the MLflow UI (also in its "Views" menu), with the columns a user compares across the
+UI_QUERY = "workflowType=machine_learning"
+# The runs table as `make mlflow-ui` opens it (#/experiments/<id>/runs?viewStateShareKey=training&...):
+# a saved view of the MLflow UI (also in its "Views" menu), with the columns a user compares across the
 # stage runs, newest first, stage runs nested under their pipeline run.
 VIEW = "training"
 VIEW_COLUMNS = (
@@ -82,7 +85,7 @@ def _view_state(tag: str | None):
 
 def view_url(base: str, experiment_id: str) -> str:
     """The page of the experiment's runs table in the saved view."""
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW}"
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW}&{UI_QUERY}"
 
 
 def tracking_uri(root: Path | None = None) -> str:
@@ -95,7 +98,8 @@ CODE_ROOT = Path(__file__).resolve().parents[2]
 
 def git_commit(root: Path | None = None) -> str:
     """The commit of the code (HEAD of the repository holding this package), with '-dirty' when tracked
-    files differ from it; 'unknown' outside git."""
+    files differ from it (dvc.lock aside: the pipeline itself rewrites it as stages finish); 'unknown'
+    outside git."""
     cwd = str(root or CODE_ROOT)
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True)
@@ -108,7 +112,8 @@ def git_commit(root: Path | None = None) -> str:
         )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    changed = [line[3:] for line in dirty.stdout.splitlines() if line[3:] != "dvc.lock"]
+    return head.stdout.strip() + ("-dirty" if changed else "")
 
 
 def pip_freeze() -> str:

@@ -1,10 +1,12 @@
 """The MLflow UI, as `make mlflow-ui` serves it, over a real pipeline run.
 
-A scratch clone runs the ci pipeline; the server is started with the exact command of the Makefile's
-mlflow-ui target (on 127.0.0.1, a free port); its REST API must show every stage's run nested under the
-one parent run of the invocation, with metrics and artifacts; headless Chromium then renders the
-experiment page, whose DOM must list the runs. Screenshots of the runs page and of a stage's run page are
-kept in tests/system/artifacts/.
+A scratch clone runs the ci pipeline; a second invocation adds a stage that fails on bad params. The
+server is started with the exact command of the Makefile's mlflow-ui target (on 127.0.0.1, a free port);
+its REST API must show every stage's run nested under the one parent run of the pipeline, with metrics
+and artifacts, the failed invocation's parent run FAILED, and the registered models with the alias the
+report set. Headless Chromium then renders the pages `make mlflow-ui` prints: the training runs table in
+its saved view (not the GenAI overview), a stage's run page, the failed invocation's run page and the
+registered models page. Their screenshots are kept in tests/system/artifacts/.
 The server is stopped by its PID.
 """
 
@@ -52,17 +54,41 @@ def api(base: str, path: str, body: dict | None = None) -> dict:
         return json.loads(resp.read())
 
 
+FAILING_RUN = "smk-failing-stage"
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, mirror):
+    """(address, pages `make mlflow-ui` prints) of the server over a copy of the pipeline run's store, to
+    which a second invocation added a stage that failed on bad params before opening its run."""
     if chromium() is None:
         pytest.skip("Chromium not installed (bash tests/system/install.sh browser)")
     clone = local_run(tmp_path_factory)
+    store = tmp_path_factory.mktemp("mlflow-store") / "mlflow.db"
+    shutil.copy(clone / "mlflow.db", store)  # the shared run stays as it was
+    env = {**env_for(clone), "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
+    failing = subprocess.run(
+        [str(BIN / "python"), "-m", "pipelines.launch", "context_study", "--output", str(store.parent / "unused")]
+        + ["context_study.unscaled_growth=0.5"],
+        cwd=clone,
+        env={**env, "PIPELINE_RUN_ID": FAILING_RUN},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert failing.returncode == 2 and "unscaled_growth must be >= 1" in failing.stderr, failing.stderr[-2000:]
     port = free_port()
-    # The command `make mlflow-ui` runs, as make prints it (-n: without running the venv step).
-    recipe = sh(f"make --no-print-directory -n mlflow-ui MLFLOW_PORT={port}", clone)
-    line = next(ln for ln in recipe.splitlines() if ln.startswith("mlflow server"))
+    # The commands `make mlflow-ui` runs, as make prints them (-n: without running the venv step): the pages
+    # to open, then the server (here over the copied store).
+    recipe = sh(f"make --no-print-directory -n mlflow-ui MLFLOW_PORT={port}", clone).splitlines()
+    line = next(ln for ln in recipe if ln.startswith("mlflow server"))
     assert "--host 127.0.0.1" in line and str(clone / "mlflow.db") in line
-    args = shlex.split(line)
+    args = [a.replace(str(clone / "mlflow.db"), str(store)) for a in shlex.split(line)]
+    pages_cmd = shlex.split(next(ln for ln in recipe if "pipelines.ui" in ln).lstrip("@").split(" 2>")[0])
+    printed = subprocess.run(
+        [str(BIN / pages_cmd[0]), *pages_cmd[1:]], cwd=clone, env=env, capture_output=True, text=True, check=True
+    ).stdout
+    pages = [ln.removeprefix("open ") for ln in printed.splitlines() if ln.startswith("open ")]
     log = open(tmp_path_factory.mktemp("mlflow-server") / "server.log", "w")
     proc = subprocess.Popen(
         [str(BIN / args[0]), *args[1:]], cwd=clone, env=env_for(clone), stdout=log, stderr=subprocess.STDOUT
@@ -80,7 +106,7 @@ def server(tmp_path_factory, mirror):
                 pass
             assert time.time() < deadline, "the MLflow server did not answer within 180 s"
             time.sleep(1)
-        yield base
+        yield base, pages
     finally:
         proc.terminate()
         try:
@@ -91,35 +117,49 @@ def server(tmp_path_factory, mirror):
         log.close()
 
 
-def pipeline_runs(base: str) -> tuple[str, dict, list[dict]]:
+def tags(run: dict) -> dict:
+    return {t["key"]: t["value"] for t in run["data"].get("tags", [])}
+
+
+def pipeline_runs(base: str) -> tuple[str, dict, list[dict], dict]:
+    """(experiment id, the pipeline's parent run, its stage runs, the failing invocation's parent run)."""
     exp = api(base, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=pipeline")["experiment"]
     runs = api(base, "/api/2.0/mlflow/runs/search", {"experiment_ids": [exp["experiment_id"]], "max_results": 100})[
         "runs"
     ]
+    parents = {tags(r)["pipeline_run"]: r for r in runs if tags(r).get("pipeline_role") == "parent"}
+    assert len(parents) == 2 and FAILING_RUN in parents, f"two invocations, two parent runs; got {sorted(parents)}"
+    failed = parents.pop(FAILING_RUN)
+    (parent,) = parents.values()
+    children = [r for r in runs if tags(r).get("mlflow.parentRunId") == parent["info"]["run_id"]]
+    return exp["experiment_id"], parent, children, failed
 
-    def tags(r):
-        return {t["key"]: t["value"] for t in r["data"].get("tags", [])}
 
-    parents = [r for r in runs if tags(r).get("pipeline_role") == "parent"]
-    assert len(parents) == 1, f"one pipeline invocation, one parent run; got {len(parents)}"
-    children = [r for r in runs if tags(r).get("mlflow.parentRunId") == parents[0]["info"]["run_id"]]
-    return exp["experiment_id"], parents[0], children
+def registered_models(base: str) -> dict[str, dict]:
+    """{name: {alias: version}} of the registry."""
+    found = api(base, "/api/2.0/mlflow/registered-models/search?max_results=100")["registered_models"]
+    return {m["name"]: {a["alias"]: a["version"] for a in m.get("aliases", [])} for m in found}
 
 
 def test_rest_api_groups_stage_runs_with_metrics_and_artifacts(server):
-    _, parent, children = pipeline_runs(server)
-    stages = {t["value"] for r in children for t in r["data"]["tags"] if t["key"] == "stage"}
+    base, _ = server
+    _, parent, children, failed = pipeline_runs(base)
+    stages = {tags(r)["stage"] for r in children}
     assert stages == STAGES
     assert parent["info"]["status"] == "FINISHED", "every stage finished, so the pipeline's run did"
+    assert failed["info"]["status"] == "FAILED" and tags(failed)["unfinished_stages"] == "context_study:FAILED"
     for run in children:
         name = run["info"]["run_name"]
         assert run["info"]["status"] == "FINISHED", name
         assert run["data"].get("metrics"), f"{name}: no metrics"
-        files = api(server, f"/api/2.0/mlflow/artifacts/list?run_id={run['info']['run_id']}")["files"]
+        files = api(base, f"/api/2.0/mlflow/artifacts/list?run_id={run['info']['run_id']}")["files"]
         assert any(f["path"] == "environment" for f in files), f"{name}: artifacts {files}"
     pretrain = next(r for r in children if r["info"]["run_name"] == "pretrain")
-    history = api(server, f"/api/2.0/mlflow/metrics/get-history?run_id={pretrain['info']['run_id']}&metric_key=loss")
+    history = api(base, f"/api/2.0/mlflow/metrics/get-history?run_id={pretrain['info']['run_id']}&metric_key=loss")
     assert len(history["metrics"]) >= 2, "pretrain logged its loss curve"
+    models = registered_models(base)
+    assert {"pretrain", "finetune_qlora-nf4", "finetune_qlora-none"} <= set(models), sorted(models)
+    assert models["pretrain"] == {"reproduced": "1"}, "the regression rows of the pretrain model pass"
 
 
 def render(url: str, profile: Path, *extra: str) -> str:
@@ -145,22 +185,51 @@ def visible_text(dom: str) -> str:
 
 
 def test_experiment_page_lists_the_runs_in_chromium(server, tmp_path):
-    experiment_id, parent, children = pipeline_runs(server)
-    runs_page = f"{server}/#/experiments/{experiment_id}/runs"
+    base, pages = server
+    experiment_id, parent, children, failed = pipeline_runs(base)
+    # The page `make mlflow-ui` prints first: the training runs table in the saved view, not the GenAI overview.
+    runs_page, models_page = pages
+    assert (
+        runs_page
+        == f"{base}/#/experiments/{experiment_id}/runs?viewStateShareKey=training&workflowType=machine_learning"
+    )
     text = visible_text(render(runs_page, tmp_path / "profile"))
-    # The stage runs sit under the collapsed parent row: the page counts them with it.
+    assert "Training runs" in text and "No data available" not in text, text[:3000]
+    # The stage runs sit under the collapsed parent rows: the page counts them with them.
     assert parent["info"]["run_name"] in text, f"the parent run is not on the rendered page:\n{text[:3000]}"
-    assert f"{len(children) + 1} matching runs" in text, text[:3000]
+    assert f"{len(children) + 2} matching runs" in text, text[:3000]
+    for column in ("val_loss", "tokens_per_s", "train.lr", "git_commit"):
+        assert column in text, f"column {column} is not in the saved view:\n{text[:3000]}"
 
     pretrain = next(r for r in children if r["info"]["run_name"] == "pretrain")
-    run_page = f"{server}/#/experiments/{experiment_id}/runs/{pretrain['info']['run_id']}"
+    run_page = f"{base}/#/experiments/{experiment_id}/runs/{pretrain['info']['run_id']}?workflowType=machine_learning"
     text = visible_text(render(run_page, tmp_path / "profile"))
     assert f"Parent run {parent['info']['run_name']}" in text, text[:3000]
     for metric in pretrain["data"]["metrics"]:
         assert metric["key"] in text, f"metric {metric['key']} not on the run page"
+    assert "Registered models pretrain v1" in text, text[:3000]
+
+    # The invocation whose stage failed before opening a run: its run page says so.
+    failed_page = f"{base}/#/experiments/{experiment_id}/runs/{failed['info']['run_id']}?workflowType=machine_learning"
+    text = visible_text(render(failed_page, tmp_path / "profile"))
+    assert "Status Failed" in text and "unfinished_stages : context_study:FAILED" in text, text[:3000]
+
+    # The registered models, with the alias the report set.
+    assert models_page == f"{base}/#/models?workflowType=machine_learning"
+    text = visible_text(render(models_page, tmp_path / "profile"))
+    for name, aliases in registered_models(base).items():
+        assert name in text, f"registered model {name} not on the page:\n{text[:3000]}"
+        for alias, version in aliases.items():
+            assert f"@ {alias} : Version {version}" in text, text[:3000]
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    for page, name in ((runs_page, "mlflow-experiment.png"), (run_page, "mlflow-run-pretrain.png")):
+    shots = {
+        runs_page: "mlflow-experiment.png",
+        run_page: "mlflow-run-pretrain.png",
+        failed_page: "mlflow-run-failed-pipeline.png",
+        models_page: "mlflow-registered-models.png",
+    }
+    for page, name in shots.items():
         shot = ARTIFACTS / name
         shot.unlink(missing_ok=True)
         render(page, tmp_path / "profile", f"--screenshot={shot}")
