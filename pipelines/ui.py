@@ -3,8 +3,8 @@
     python -m pipelines.ui [PORT]
 
 The runs table in the saved view `training` (the columns a user compares across stage runs, see
-stages/common/track.py: VIEW_COLUMNS) and the registered models, both in the UI's model-training mode. Before any stage ran, the experiment
-does not exist yet and only the server's address is printed.
+stages/common/track.py: VIEW_COLUMNS) and the registered models, both in the UI's model-training mode.
+Before any stage ran, the experiment does not exist yet and only the server's address is printed.
 """
 
 from __future__ import annotations

@@ -274,7 +274,7 @@ def regression(stage_metrics: dict, params: dict, cfg: Config, commit: str) -> d
     fingerprint = params_fingerprint(params)
     records = read_records(Path(cfg.recorded)) if cfg.recorded else []
     record = next((r for r in records if r.get("params") == fingerprint), None)
-    rows = []
+    rows, subjects = [], []
     if record is not None:
         ours = perplexities(stage_metrics)
         for label, models in record["perplexity"].items():
@@ -294,14 +294,15 @@ def regression(stage_metrics: dict, params: dict, cfg: Config, commit: str) -> d
                             "stage": label,
                             "git_commit": commit,
                             "data_hashes": {},
-                            "model": evaluated_model(label, model),
                         }
                     )
+                    subjects.append(evaluated_model(label, model))
     return {
         "source": cfg.recorded,
         "params": fingerprint,
         "recorded": record["recorded"] if record else None,
         "rows": rows,
+        "models": subjects,  # the registered name of the model each row is about
         "nearest": None if record is not None else nearest_record(records, params),
     }
 
@@ -321,9 +322,9 @@ def row_subjects(doc: dict) -> dict[str, tuple[str, list]]:
     for row in doc["rows"]:
         stage_name, _, item = row["stage"].partition("/")
         subjects.setdefault(registry.model_name(stage_name, item or None), (row["stage"], []))[1].append(row["pass"])
-    for row in doc["regression"]["rows"]:
-        source = row["stage"].partition("/")[2]
-        subjects.setdefault(row["model"], (source, []))[1].append(row["pass"])
+    regression = doc["regression"]
+    for row, name in zip(regression["rows"], regression.get("models", ()), strict=True):
+        subjects.setdefault(name, (row["stage"].partition("/")[2], []))[1].append(row["pass"])
     return subjects
 
 

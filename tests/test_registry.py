@@ -47,7 +47,7 @@ def logits(folder: Path) -> torch.Tensor:
 def test_a_published_model_is_a_registered_version_with_its_lineage(in_registry):
     import mlflow
 
-    client = mlflow.MlflowClient()
+    client = mlflow.MlflowClient(f"sqlite:///{in_registry / 'mlflow.db'}")
     (version,) = client.search_model_versions("name = 'pretrain'")
     run = client.get_run(version.run_id)
     assert run.data.tags["stage"] == "pretrain" and run.data.tags["registered_model.pretrain"] == str(version.version)
@@ -77,15 +77,16 @@ def test_report_marks_the_version_whose_rows_pass_and_eval_reads_it(in_registry)
     import mlflow
 
     def doc(passed):
-        row = {"stage": "eval_perplexity/pretrain", "model": "pretrain", "pass": passed}
-        return {"rows": [], "regression": {"rows": [row]}}
+        row = {"stage": "eval_perplexity/pretrain", "pass": passed}
+        return {"rows": [], "regression": {"rows": [row], "models": ["pretrain"]}}
 
     inputs = [Path("data/pretrain"), Path("data/tokenize")]
     assert report.mark_reproduced(doc(False), inputs) == {}
     with pytest.raises(config.UserError, match=r"models:/pretrain@reproduced .*registered models: pretrain"):
         registry.resolve("models:/pretrain@reproduced")
     assert report.mark_reproduced(doc(True), inputs) == {"pretrain": 1}
-    assert str(mlflow.MlflowClient().get_model_version_by_alias("pretrain", "reproduced").version) == "1"
+    client = mlflow.MlflowClient(f"sqlite:///{in_registry / 'mlflow.db'}")
+    assert str(client.get_model_version_by_alias("pretrain", "reproduced").version) == "1"
 
     out = eval_perplexity.main(
         ["--models", "folder=data/pretrain/model", "models:/pretrain@reproduced", "--output", "out/eval", *EVAL]
@@ -93,8 +94,8 @@ def test_report_marks_the_version_whose_rows_pass_and_eval_reads_it(in_registry)
     assert set(out["models"]) == {"folder", "pretrain"}
     for context, figures in out["models"]["folder"].items():
         assert out["models"]["pretrain"][context]["nll"] == figures["nll"], context
-    (run,) = mlflow.MlflowClient().search_runs(
-        [mlflow.get_experiment_by_name("pipeline").experiment_id], "tags.stage = 'eval_perplexity'"
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("pipeline").experiment_id], "tags.stage = 'eval_perplexity'"
     )
     assert run.data.tags["model.pretrain"] == "models:/pretrain/1"
 
