@@ -175,6 +175,7 @@ def main() -> None:
                 precision=args.precision,
             ),
         ).ids
+        stream = torch.from_numpy(stream[0 : len(stream)])
         device = runtime.init().device
         dtype = runtime.compute_dtype(device, args.precision)
         model = AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=dtype).to(device).eval()

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stages import prepare_data, tokenize  # noqa: E402
@@ -60,7 +62,8 @@ def main() -> None:
         tokens = 0
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            counts = tokenize.encode_range(tok, txt, {size}, 0, size, tmp / "ids.bin", cfg, NullBar())
+            one_document = np.zeros(1, np.int64)  # the file is one document: an eos at its end
+            counts = tokenize.encode_range(tok, txt, one_document, 0, size, tmp / "ids.bin", cfg, NullBar())
             stage_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             ids = [e.ids for e in tok.encode_batch(lines, add_special_tokens=False)]

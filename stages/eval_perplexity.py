@@ -101,9 +101,29 @@ class ModelSpec:
     registered: str = ""  # models:/<name>/<version> of a registered model
 
 
+class Tokens:
+    """The ids a model is scored on: bos (when prepended), then the first `limit` ids (0: all) of a token
+    stream, which for shards is read through memory maps (shards.TokenStream): `len()` and `[start:stop]`
+    slices as int64 arrays, without the split in memory."""
+
+    def __init__(self, stream: shards.TokenStream, bos: int | None, limit: int = 0):
+        self.stream, self.bos = stream, bos
+        self.n = min(len(stream), limit) if limit else len(stream)
+
+    def __len__(self) -> int:
+        return self.n + (self.bos is not None)
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        start, stop, _ = key.indices(len(self))
+        if self.bos is None:
+            return self.stream[start:stop]
+        head = [np.array([self.bos], dtype=np.int64)] if start == 0 < stop else []
+        return np.concatenate([*head, self.stream[max(start - 1, 0) : max(stop - 1, 0)]])
+
+
 @dataclass(frozen=True)
 class Stream:
-    ids: torch.Tensor  # (N,) int64 on the CPU
+    ids: Tokens
     bytes: int
     words: int
 
@@ -168,20 +188,16 @@ def model_tokenizer(spec: ModelSpec):
     return None
 
 
-def make_stream(ids: np.ndarray, tok, counts: tuple[int, int] | None, cfg: Config, bos: int | None) -> Stream:
+def make_stream(ids: shards.TokenStream, tok, counts: tuple[int, int] | None, cfg: Config, bos: int | None) -> Stream:
     """Cap the ids at max_tokens (bytes and words then come from the decoded prefix) and prepend bos."""
     if cfg.max_tokens and len(ids) > cfg.max_tokens:
-        ids, counts = ids[: cfg.max_tokens], None
-    if counts is None:
-        text = tok.decode(ids.tolist(), skip_special_tokens=True)
+        text = tok.decode(ids[: cfg.max_tokens].tolist(), skip_special_tokens=True)
         counts = (len(text.encode("utf-8")), len(text.split()))
-    if cfg.prepend_bos:
-        if bos is None:
-            raise config.UserError(
-                "eval_perplexity: the tokenizer has no bos or eos token; set eval_perplexity.prepend_bos: false"
-            )
-        ids = np.concatenate([[bos], ids])
-    return Stream(torch.from_numpy(np.asarray(ids, dtype=np.int64)), *counts)
+    if cfg.prepend_bos and bos is None:
+        raise config.UserError(
+            "eval_perplexity: the tokenizer has no bos or eos token; set eval_perplexity.prepend_bos: false"
+        )
+    return Stream(Tokens(ids, bos if cfg.prepend_bos else None, cfg.max_tokens), *counts)
 
 
 def shard_stream(folder: Path, cfg: Config):
@@ -189,7 +205,7 @@ def shard_stream(folder: Path, cfg: Config):
 
     try:
         meta = shards.read_meta(folder)
-        ids = shards.load_split(folder, cfg.split)
+        ids = shards.open_stream(folder, cfg.split)  # memory-mapped: each rank reads the windows it scores
     except FileNotFoundError as e:
         raise config.UserError(f"eval_perplexity: {e.args[0]}; or pass --input FOLDER or --text FILE") from None
     except KeyError as e:
@@ -206,7 +222,7 @@ def shard_stream(folder: Path, cfg: Config):
 
 def text_stream(path: Path, tok, cfg: Config) -> Stream:
     text = path.read_text(encoding="utf-8")
-    ids = np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    ids = shards.TokenStream([np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)])
     bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
     return make_stream(ids, tok, (len(text.encode("utf-8")), len(text.split())), cfg, bos)
 
@@ -238,7 +254,7 @@ def prepare(specs: list[ModelSpec], cfg: Config, shards_dir: Path, text: Path | 
             )
         stream = shared if text is None else text_stream(text, tok, cfg)
         vocab = len(shared_tok if text is None else tok)
-        if vocab > mcfg.vocab_size or int(stream.ids.max()) >= mcfg.vocab_size:
+        if vocab > mcfg.vocab_size:  # every id is below the tokenizer's vocab
             raise config.UserError(
                 f"eval_perplexity: tokenizer vocab ({vocab} ids) does not fit model '{spec.label}' "
                 f"(config.vocab_size {mcfg.vocab_size}); use the tokenizer the model was trained with"
@@ -278,7 +294,7 @@ def batches(windows: list, size: int):
 
 
 @torch.inference_mode()
-def evaluate(model, ids: torch.Tensor, context: int, stride: int, batch_size: int, rt: runtime.Runtime) -> torch.Tensor:
+def evaluate(model, ids: Tokens, context: int, stride: int, batch_size: int, rt: runtime.Runtime) -> torch.Tensor:
     """(2, context) float64: NLL sum and scored-token count per prediction position, summed over ranks."""
     plan = plan_windows(len(ids), context, stride)
     mine = plan[rt.rank * len(plan) // rt.world_size : (rt.rank + 1) * len(plan) // rt.world_size]
@@ -286,8 +302,8 @@ def evaluate(model, ids: torch.Tensor, context: int, stride: int, batch_size: in
     for batch in batches(mine, batch_size):
         length, first = batch[0][1], min(w[2] for w in batch)
         keep = length - first  # only these positions' logits are needed
-        rows = torch.tensor([w[0] for w in batch])[:, None] + torch.arange(length + 1)
-        tokens = ids[rows].to(rt.device, non_blocking=True)  # (B, length + 1)
+        rows = np.stack([ids[w[0] : w[0] + length + 1] for w in batch])
+        tokens = torch.from_numpy(rows).to(rt.device, non_blocking=True)  # (B, length + 1)
         logits = model(input_ids=tokens[:, :-1], logits_to_keep=keep, use_cache=False).logits  # (B, keep, V)
         nll = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, first + 1 :].flatten(), reduction="none")
         nll = nll.view(len(batch), keep).double()

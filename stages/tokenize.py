@@ -7,9 +7,15 @@ figures.json holds the counts, bytes per token and encoding throughput (tokens/s
 metrics) the train tokens, test bytes per token and tokens/s.
 
 The tokenizer is trained on rank 0 (the `tokenizers` trainer is itself multi-threaded). Encoding is
-streamed: each rank reads its own contiguous byte range of a split line by line, encodes batches of
-lines, and appends ids to a part file; rank 0 then joins the parts in rank order into shards, so the
-output is byte-identical for any number of processes.
+streamed in bounded memory: each split is cut into chunks of whole lines (at most 64 MiB of text, at
+least one per process), the ranks take the chunks in turn, read each line by line, encode batches of
+lines and write the ids to one file per chunk; rank 0 then joins the chunks in file order into shards,
+one chunk at a time. The output is byte-identical for any number of processes.
+
+Resuming: the tokenizer, the chunk plan and every finished chunk are kept in
+checkpoints/tokenize/<hash of params and corpus>/ until the stage publishes. A run stopped mid-way
+(SIGTERM, Ctrl-C, SIGKILL, a lost node) and started again keeps them and encodes only the rest, with
+output byte-identical to an uninterrupted run; a second run started meanwhile stops with a clear error.
 
 Run:
     python -m stages.tokenize --input data/prepare_data --output data/tokenize [key=value ...]
@@ -20,6 +26,7 @@ Run:
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,10 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.common import atomic, config, runtime, shards, stage, track
+from stages.common import atomic, ckpt, config, runtime, shards, stage, track
 
 STAGE = "tokenize"
 SPLITS = ("train", "val", "test")
+# The most text one unit of resumable work holds (PIPELINE_TOKENIZE_CHUNK_BYTES overrides it).
+CHUNK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -106,27 +115,41 @@ def save_hf_tokenizer(tok, folder: Path) -> None:
     hf.save_pretrained(folder)
 
 
-def line_range(path: Path, rank: int, world: int) -> tuple[int, int]:
-    """Byte range [start, end) of whole lines owned by `rank`: the lines starting inside its share."""
+def line_start(path: Path, pos: int) -> int:
+    """The byte offset of the first line of `path` starting at or after `pos`."""
     size = path.stat().st_size
-
-    def line_start_at_or_after(pos: int) -> int:
-        if pos <= 0:
-            return 0
-        if pos >= size:
-            return size
-        with open(path, "rb") as fh:
-            fh.seek(pos - 1)
-            if fh.read(1) == b"\n":
-                return pos
-            fh.readline()
-            return fh.tell()
-
-    return line_start_at_or_after(size * rank // world), line_start_at_or_after(size * (rank + 1) // world)
+    if pos <= 0:
+        return 0
+    if pos >= size:
+        return size
+    with open(path, "rb") as fh:
+        fh.seek(pos - 1)
+        if fh.read(1) == b"\n":
+            return pos
+        fh.readline()
+        return fh.tell()
 
 
-def read_batches(txt: Path, doc_ends: set[int], start: int, end: int, batch_lines: int):
-    """Yield (lines, ends_document, bytes) for the whole lines in [start, end), `batch_lines` at a time."""
+def plan_chunks(path: Path, world_size: int) -> list[tuple[int, int]]:
+    """The split's units of work: byte ranges [start, end) of whole lines, at most CHUNK_BYTES each and at
+    least one per process, in file order."""
+    size = path.stat().st_size
+    cap = int(os.environ.get("PIPELINE_TOKENIZE_CHUNK_BYTES", CHUNK_BYTES))
+    n = max(world_size, -(-size // cap))
+    cuts = sorted({line_start(path, size * k // n) for k in range(n)} | {size})
+    return list(itertools.pairwise(cuts))
+
+
+def read_batches(txt: Path, offsets: np.ndarray, start: int, end: int, batch_lines: int):
+    """Yield (lines, ends_document, bytes) for the whole lines in [start, end), `batch_lines` at a time.
+    `offsets` are the documents' start offsets (a memory map): a line ends a document where the next
+    document starts, or at the end of the file."""
+    size = txt.stat().st_size
+    nxt = int(np.searchsorted(offsets, start, side="right"))  # the next document start after `start`
+
+    def next_end() -> int:
+        return int(offsets[nxt]) if nxt < len(offsets) else size
+
     with open(txt, "rb") as src:
         src.seek(start)
         pos = batch_start = start
@@ -134,14 +157,16 @@ def read_batches(txt: Path, doc_ends: set[int], start: int, end: int, batch_line
         while pos < end:
             raw = src.readline()
             pos += len(raw)
+            while next_end() < pos:
+                nxt += 1
             lines.append(raw.decode("utf-8"))
-            ends_doc.append(pos in doc_ends)
+            ends_doc.append(pos == next_end())
             if len(lines) == batch_lines or pos >= end:
                 yield lines, ends_doc, pos - batch_start
                 lines, ends_doc, batch_start = [], [], pos
 
 
-def encode_range(tok, txt: Path, doc_ends: set[int], start: int, end: int, out: Path, cfg: Config, bar) -> dict:
+def encode_range(tok, txt: Path, offsets: np.ndarray, start: int, end: int, out: Path, cfg: Config, bar) -> dict:
     """Encode the lines in [start, end) into the raw id file `out`; an eos follows each document end.
 
     The encoder releases the GIL, so one worker thread encodes the next batch while this thread turns
@@ -165,7 +190,7 @@ def encode_range(tok, txt: Path, doc_ends: set[int], start: int, end: int, out: 
 
     with open(out, "wb") as fh, ThreadPoolExecutor(max_workers=1) as pool:
         pending = None
-        for lines, ends_doc, nbytes in read_batches(txt, doc_ends, start, end, cfg.batch_lines):
+        for lines, ends_doc, nbytes in read_batches(txt, offsets, start, end, cfg.batch_lines):
             future = pool.submit(tok.encode_batch_fast, lines, add_special_tokens=False)
             if pending:
                 write(pending[0].result(), *pending[1:])
@@ -175,38 +200,67 @@ def encode_range(tok, txt: Path, doc_ends: set[int], start: int, end: int, out: 
     return counts
 
 
-def tokenize(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime, tracker: track.Tracker) -> dict:
+def trained_tokenizer(cfg: Config, corpus: Path, work: Path, rt: runtime.Runtime):
+    """The tokenizer of this run: trained on rank 0 and kept in `work`, or the one an interrupted run kept."""
+    from tokenizers import Tokenizer
+
+    saved = work / "tokenizer.json"
+    if rt.is_main and not saved.is_file():
+        tok = train_tokenizer(corpus, cfg, show_progress=os.isatty(2))
+        tok.save(str(work / ".tokenizer.json.tmp"))
+        os.replace(work / ".tokenizer.json.tmp", saved)
+    runtime.barrier()
+    return Tokenizer.from_file(str(saved))
+
+
+def encode_chunks(tok, cfg: Config, corpus: Path, work: Path, rt: runtime.Runtime) -> dict:
+    """Encode every chunk of every split not encoded yet (the plan is made once, by the first run: any
+    later world size follows it). Chunk k of a split becomes <split>-<k>.ids, then <split>-<k>.json with
+    its counts: a chunk is done when its .json exists. Returns this process's tokens and seconds."""
+    if rt.is_main and not (work / "plan.json").is_file():
+        plan = {split: plan_chunks(corpus / f"{split}.txt", rt.world_size) for split in SPLITS}
+        atomic.write_json(work / "plan.json", plan)
+    runtime.barrier()
+    plan = json.loads((work / "plan.json").read_text())
+    chunks = [(split, k, a, b) for split in SPLITS for k, (a, b) in enumerate(plan[split])]
+    todo = [c for c in chunks if not (work / f"{c[0]}-{c[1]:06d}.json").is_file()]
+    if len(todo) < len(chunks):
+        runtime.print0(f"tokenize: resuming, {len(chunks) - len(todo)} of {len(chunks)} chunks already encoded", rt=rt)
+    t0, tokens = time.perf_counter(), 0
+    total = sum(b - a for _, _, a, b in todo)
+    with runtime.progress(total=total, unit="B", unit_scale=True, desc="tokenize", rt=rt) as bar:
+        for split, k, start, end in todo[rt.rank :: rt.world_size]:
+            txt = corpus / f"{split}.txt"
+            offsets = np.load(corpus / f"{split}.docs.npy", mmap_mode="r")
+            name = work / f"{split}-{k:06d}"
+            counts = encode_range(tok, txt, offsets, start, end, work / f".{name.name}.tmp", cfg, bar)
+            os.replace(work / f".{name.name}.tmp", name.with_suffix(".ids"))
+            atomic.write_json(name.with_suffix(".json"), counts)
+            tokens += counts["tokens"]
+    return {
+        "tokens": tokens,
+        "seconds": time.perf_counter() - t0,
+        "chunks": len(chunks),
+        "resumed": len(chunks) - len(todo),
+    }
+
+
+def tokenize(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime, tracker: track.Tracker, work: Path) -> dict:
     corpus = inp / "corpus"
+    if rt.is_main:
+        work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    tok = trained_tokenizer(cfg, corpus, work, rt)
+    train_s = time.perf_counter() - t0
+    vocab = tok.get_vocab_size()
+    dtype = shards.dtype_for(vocab)
+    encoded = runtime.gather_objects(encode_chunks(tok, cfg, corpus, work, rt))
+    encode_s = max(e["seconds"] for e in encoded)
+
+    meta = None
     with atomic.folder(output, rt) as tmp:
-        t0 = time.perf_counter()
         if rt.is_main:
-            tok = train_tokenizer(corpus, cfg, show_progress=os.isatty(2))
             save_hf_tokenizer(tok, tmp / "tokenizer")
-            tok.save(str(tmp / ".tokenizer.json"))
-        runtime.barrier()
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(tmp / ".tokenizer.json"))
-        train_s = time.perf_counter() - t0
-        vocab = tok.get_vocab_size()
-        dtype = shards.dtype_for(vocab)
-
-        t1 = time.perf_counter()
-        parts = {}
-        total = sum((corpus / f"{s}.txt").stat().st_size for s in SPLITS)
-        with runtime.progress(total=total, unit="B", unit_scale=True, desc="tokenize", rt=rt) as bar:
-            for split in SPLITS:
-                txt = corpus / f"{split}.txt"
-                offsets = np.load(corpus / f"{split}.docs.npy")
-                doc_ends = set(offsets[1:].tolist()) | {txt.stat().st_size}
-                start, end = line_range(txt, rt.rank, rt.world_size)
-                part = tmp / f".part-{split}-{rt.rank:05d}"
-                parts[split] = encode_range(tok, txt, doc_ends, start, end, part, cfg, bar)
-        encode_s = max(runtime.gather_objects(time.perf_counter() - t1))
-        all_parts = runtime.gather_objects(parts)
-
-        meta = None
-        if rt.is_main:
             meta = {
                 "format": shards.FORMAT,
                 "dtype": dtype.name,
@@ -217,22 +271,26 @@ def tokenize(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime, tracker:
                 "shard_tokens": cfg.shard_tokens,
                 "splits": {},
             }
+            plan = json.loads((work / "plan.json").read_text())
             for split in SPLITS:
+                # the chunks in file order, one at a time: the split never is in memory whole
                 writer = shards.ShardWriter(tmp, split, dtype, cfg.shard_tokens)
-                for r in range(rt.world_size):
-                    part = tmp / f".part-{split}-{r:05d}"
-                    writer.write(np.fromfile(part, dtype=dtype))
-                    part.unlink()
-                counts = {k: sum(p[split][k] for p in all_parts) for k in ("tokens", "bytes", "words", "documents")}
+                counts = {"tokens": 0, "bytes": 0, "words": 0, "documents": 0}
+                for k in range(len(plan[split])):
+                    name = work / f"{split}-{k:06d}"
+                    writer.write(np.fromfile(name.with_suffix(".ids"), dtype=dtype))
+                    for key, value in json.loads(name.with_suffix(".json").read_text()).items():
+                        counts[key] += value
                 meta["splits"][split] = {**counts, "shards": writer.close()}
-            (tmp / ".tokenizer.json").unlink()
             atomic.write_json(tmp / "meta.json", meta)
-            n_tokens = sum(s["tokens"] for s in meta["splits"].values())
+            n_tokens = sum(e["tokens"] for e in encoded)
             metrics = {
                 "vocab_size": vocab,
                 "tokenizer_train_s": train_s,
                 "encode_s": encode_s,
-                "tokens_per_s": n_tokens / max(encode_s, 1e-9),
+                "tokens_per_s": n_tokens / max(encode_s, 1e-9),  # encoded by this run (a resumed one skips some)
+                "resumed_chunks": encoded[0]["resumed"],
+                "chunks": encoded[0]["chunks"],
                 **{f"{s}_{k}": v for s, d in meta["splits"].items() for k, v in d.items() if k != "shards"},
                 **{f"{s}_bytes_per_token": d["bytes"] / max(d["tokens"], 1) for s, d in meta["splits"].items()},
             }
@@ -248,8 +306,13 @@ def tokenize(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime, tracker:
 def run(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime) -> dict:
     # The tokenizers thread pool would otherwise claim every core in every process.
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // rt.local_world_size)))
-    with stage.tracked(STAGE, cfg, [inp / "corpus"], rt) as (tracker, _):
-        meta = tokenize(cfg, inp, output, rt, tracker)
+    digest = stage.inputs_hash([inp / "corpus"], rt)
+    # The work folder (tokenizer, chunk plan, encoded chunks) of these params and corpus: a run stopped
+    # mid-way, even by SIGKILL, keeps what it finished, and the next run picks up from there.
+    with stage.checkpoints(STAGE, cfg, digest, rt) as work, stage.tracked(STAGE, cfg, digest, rt) as (tracker, _):
+        meta = tokenize(cfg, inp, output, rt, tracker, work)
+        if rt.is_main:
+            ckpt.discard(work)
     runtime.print0(
         "tokenize: "
         + ", ".join(f"{s} {d['tokens']:,} tokens" for s, d in meta["splits"].items())

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import filecmp
 import json
+import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
-from conftest import run_stage
+from conftest import run_stage, stage_env
 
 from stages.common import shards
 
@@ -101,3 +107,36 @@ def test_shard_writer_rolls_over_and_dtype_follows_vocab(tmp_path):
     assert shards.dtype_for(65_536) == np.uint16 and shards.dtype_for(65_537) == np.uint32
     parts = [np.fromfile(tmp_path / n, dtype=np.uint32).tolist() for n in writer.names]
     assert parts == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_run_stopped_mid_way_resumes_to_the_same_bytes(by_world_size, tmp_path, sig):
+    """Two processes in small chunks, stopped (SIGTERM to torchrun, or SIGKILL to every process) after some
+    chunks; one process then finishes the job from the chunks kept, with the bytes of an uninterrupted run."""
+    shutil.copy(by_world_size[1] / "params.yaml", tmp_path / "params.yaml")
+    shutil.copytree(by_world_size[1] / "data/prepare_data", tmp_path / "data/prepare_data")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "stages.tokenize"]
+    env = stage_env(tmp_path, PIPELINE_TOKENIZE_CHUNK_BYTES="2048")
+    proc = subprocess.Popen([*cmd, *ARGS, "data/tokenize"], cwd=tmp_path, env=env, start_new_session=True)
+    deadline = time.time() + 300
+    while len(list(tmp_path.glob("checkpoints/tokenize/*/*-*.json"))) < 10:
+        assert proc.poll() is None and time.time() < deadline, "tokenize ended before it could be stopped"
+        time.sleep(0.02)
+    if sig == signal.SIGKILL:
+        os.killpg(proc.pid, sig)  # every process at once, as when a node is lost
+    else:
+        proc.send_signal(sig)
+    proc.wait(60)
+    work = next(tmp_path.glob("checkpoints/tokenize/*/"))
+    plan = json.loads((work / "plan.json").read_text())
+    done = len(list(work.glob("*-*.json")))
+    assert not (tmp_path / "data/tokenize").exists() and 10 <= done < sum(len(c) for c in plan.values())
+
+    out = run_stage("tokenize", [*ARGS, "data/tokenize"], cwd=tmp_path).stdout
+    assert re.search(rf"resuming, {done} of \d+ chunks already encoded", out), out
+    one, again = by_world_size[1] / "data/tokenize", tmp_path / "data/tokenize"
+    names = sorted(p.relative_to(one).as_posix() for p in one.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(again).as_posix() for p in again.rglob("*") if p.is_file())
+    timed = ("metrics.json", "figures.json")
+    assert all(filecmp.cmp(one / n, again / n, shallow=False) for n in names if n not in timed)
+    assert not work.exists(), "the published run's work folder is spent"
