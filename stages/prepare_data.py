@@ -4,6 +4,11 @@ Owns all raw inputs: the pretraining corpus (split into train/val/test), the ins
 fine-tuning, and the Planetoid graphs. Known files are verified against their published sha256; a
 missing file or a checksum mismatch stops before anything is written.
 
+The corpus streams, line by line and document by document, from the source into the split files, so
+memory stays flat whatever its size: a text file is cut into train/val/test by byte share, a .jsonl
+file's documents (the `text_field` of each record; every record is checked first, in a first pass) by
+position, a hub dataset row by row. `max_bytes` keeps whole lines of each split up to that size.
+
 Where inputs come from, in order: the mirror directory in `PIPELINE_DATA_MIRROR` (laid out like
 `shared/data`: tinyshakespeare/, wikitext-2-raw/, alpaca-5k/, planetoid/), then the public internet
 (TinyShakespeare and Planetoid from their canonical GitHub files, WikiText-2, Alpaca and any other
@@ -131,37 +136,113 @@ def decode_line(raw: bytes, name: str, offset: int) -> str:
         ) from None
 
 
-def split_text_file(path: Path, cfg: Config) -> dict[str, list[str]]:
-    """One document per split: contiguous slices of the file's lines by byte share."""
+class SplitWriter:
+    """One split's text file and document offsets, written as documents stream in, line by line: each
+    document ends with a newline; with a byte budget (max_bytes) the split keeps whole lines up to it
+    and ends at the first line that does not fit. Memory holds one line, whatever the corpus size."""
+
+    def __init__(self, folder: Path, split: str, budget: int):
+        self.split, self.budget = split, budget
+        self.text = open(folder / f"{split}.txt", "wb")  # noqa: SIM115 - closed by finish()
+        self.offsets_path = folder / f".{split}.docs.raw"
+        self.offsets = open(self.offsets_path, "wb")  # noqa: SIM115 - closed by finish()
+        self.size = self.documents = self.lines = 0
+        self.full = self.in_doc = False
+        self.seen_text = self.kept_text = False  # a non-blank line offered / kept
+
+    def start(self) -> None:
+        self.in_doc = False  # the offset is taken at the document's first kept line
+
+    def add(self, line: str) -> None:
+        if line.strip():
+            self.seen_text = True
+        if self.full:
+            return
+        data = (line if line.endswith("\n") else line + "\n").encode("utf-8")
+        if self.budget and self.size + len(data) > self.budget:
+            self.full = True
+            return
+        if not self.in_doc:
+            self.offsets.write(np.int64(self.size).tobytes())
+            self.documents += 1
+            self.in_doc = True
+        self.text.write(data)
+        self.size += len(data)
+        self.lines += 1
+        self.kept_text = self.kept_text or bool(line.strip())
+
+    def add_document(self, doc: str) -> None:
+        self.start()
+        for line in doc.splitlines(keepends=True):
+            self.add(line)
+
+    def finish(self) -> dict:
+        self.text.close()
+        self.offsets.close()
+        offsets = np.memmap(self.offsets_path, dtype=np.int64, mode="r") if self.documents else np.zeros(0, np.int64)
+        np.save(self.text.name.removesuffix(".txt") + ".docs.npy", np.asarray(offsets))
+        del offsets
+        self.offsets_path.unlink()
+        return {"bytes": self.size, "documents": self.documents, "lines": self.lines}
+
+
+def check_splits(writers: dict[str, SplitWriter], cfg: Config, whole: int) -> None:
+    """Every split must hold text: else one error naming the setting to change."""
+    if not any(w.seen_text for w in writers.values()):
+        raise DataError(f"corpus {cfg.corpus} holds only whitespace; point prepare_data.corpus at real text")
+    for split, w in writers.items():
+        if w.kept_text:
+            continue
+        if w.seen_text:  # max_bytes cut it away (it keeps whole lines)
+            fix = f"raise prepare_data.max_bytes (now {cfg.max_bytes}) above its first line"
+        elif whole < 1000:
+            fix = f"the corpus holds only {whole} bytes: use a larger corpus"
+        elif split == "train":
+            fix = "lower val_fraction/test_fraction"
+        else:
+            fix = f"raise prepare_data.{split[:4]}_fraction"
+        raise DataError(f"the {split} split of {cfg.corpus} is empty; {fix}")
+
+
+def split_text_file(path: Path, cfg: Config, writers: dict[str, SplitWriter]) -> int:
+    """One document per split: contiguous runs of the file's lines by byte share. Returns the file's size."""
     size = path.stat().st_size
     if size == 0:
         raise DataError(f"corpus {path} is empty (0 bytes); point prepare_data.corpus at a text file with content")
     bounds = ((1 - cfg.val_fraction - cfg.test_fraction) * size, (1 - cfg.test_fraction) * size)
-    parts = {s: [] for s in SPLITS}
     offset = 0
+    for w in writers.values():
+        w.start()
     with open(path, "rb") as fh:
         for raw in fh:
             split = "train" if offset < bounds[0] else "val" if offset < bounds[1] else "test"
-            parts[split].append(decode_line(raw, str(path), offset))
+            writers[split].add(decode_line(raw, str(path), offset))
             offset += len(raw)
-    if not any(line.strip() for line in parts["train"] + parts["val"] + parts["test"]):
-        raise DataError(f"corpus {path} holds only whitespace; point prepare_data.corpus at real text")
-    return {s: ["".join(lines)] for s, lines in parts.items()}
+    return size
 
 
-def split_records(docs: list[str], cfg: Config, name: str) -> dict[str, list[str]]:
-    docs = [d for d in docs if d.strip()]
-    if not docs:
+def split_documents(docs, count: int, writers: dict[str, SplitWriter], cfg: Config, name: str) -> int:
+    """Documents (an iterable, read once) by position: the first share to train, then val, then test;
+    blank documents are skipped and `count` is the number of the others. Returns their bytes."""
+    if not count:
         raise DataError(f"corpus {name} has no non-empty documents in field '{cfg.text_field}'")
-    n_train = int(len(docs) * (1 - cfg.val_fraction - cfg.test_fraction))
-    n_val = int(len(docs) * cfg.val_fraction)
-    return {"train": docs[:n_train], "val": docs[n_train : n_train + n_val], "test": docs[n_train + n_val :]}
+    n_train = int(count * (1 - cfg.val_fraction - cfg.test_fraction))
+    n_val = int(count * cfg.val_fraction)
+    whole, i = 0, 0
+    for doc in docs:
+        if not doc.strip():
+            continue
+        split = "train" if i < n_train else "val" if i < n_train + n_val else "test"
+        writers[split].add_document(doc)
+        whole += len(doc.encode("utf-8"))
+        i += 1
+    return whole
 
 
-def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
+def iter_jsonl(path: Path, required: tuple[str, ...]):
+    """The records of a .jsonl file, one at a time, each checked: one clear error naming the line."""
     if path.stat().st_size == 0:
         raise DataError(f"{path} is empty (0 bytes); give a .jsonl file with one JSON record per line")
-    records = []
     offset = 0
     with open(path, "rb") as fh:
         for n, raw in enumerate(fh, 1):
@@ -180,101 +261,97 @@ def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
             )
             if missing:
                 raise DataError(f"{path}: line {n} lacks string field(s) {', '.join(missing)}")
-            records.append(rec)
-    return records
+            yield rec
 
 
-def load_corpus(cfg: Config, workdir: Path) -> tuple[dict[str, list[str]], dict]:
-    """Documents per split, and a description of the source (with the sha256 of the raw files)."""
-    name = cfg.corpus
-    if name == "tinyshakespeare":
-        raw = workdir / "tinyshakespeare.txt"
-        sha = fetch(sources.TINYSHAKESPEARE, raw)
-        return split_text_file(raw, cfg), {"corpus": name, "sha256": {"input.txt": sha}}
-    if name == "wikitext2":
-        docs, shas = {}, {}
-        for split, raw in sources.WIKITEXT2.items():
-            dest = workdir / Path(raw.mirror).name
-            try:
-                shas[dest.name] = fetch(raw, dest)
-            except DataError as e:
-                if mirror_dir() is not None:
-                    raise DataError(
-                        f"wikitext2 {split} split: {e} (or unset it to read wikitext-2-raw-v1 from the hub)"
-                    ) from None
-                ds = load_hub(sources.WIKITEXT2_HUB[0], name=sources.WIKITEXT2_HUB[1])
-                hub_split = {"val": "validation"}.get(split, split)
-                # Hub rows are the raw file's lines; blank lines are stored as "".
-                dest.write_text("".join(t if t else "\n" for t in ds[hub_split]["text"]), encoding="utf-8")
-                shas[dest.name] = ckpt.sha256_file(dest)
-            docs[split] = [decode_line(dest.read_bytes(), str(dest), 0)]
-        return docs, {"corpus": name, "sha256": shas}
-    if name.startswith("hub:"):
-        dataset, _, conf = name[4:].partition(":")
-        ds = load_hub(dataset, **({"name": conf} if conf else {}))
-        if cfg.text_field not in ds[next(iter(ds))].column_names:
-            raise DataError(f"hub dataset {dataset} has no column '{cfg.text_field}'; set prepare_data.text_field")
-        if {"validation", "test"} <= set(ds):
-            docs = {
-                s: list(ds[h][cfg.text_field]) for s, h in zip(SPLITS, ("train", "validation", "test"), strict=True)
-            }
-            docs = {s: [d for d in v if d.strip()] for s, v in docs.items()}
-        else:
-            docs = split_records(list(ds["train"][cfg.text_field]), cfg, name)
-        return docs, {"corpus": name, "sha256": {}}
-    path = Path(name)
-    if not path.is_file():
-        raise DataError(
-            f"prepare_data.corpus: {name!r} is neither a known corpus (tinyshakespeare, wikitext2), "
-            "a hub:<dataset id>, nor an existing .txt/.jsonl file"
-        )
-    sha = ckpt.sha256_file(path)
-    if path.suffix == ".jsonl":
-        recs = read_jsonl(path, (cfg.text_field,))
-        return split_records([r[cfg.text_field] for r in recs], cfg, name), {"corpus": name, "sha256": {path.name: sha}}
-    return split_text_file(path, cfg), {"corpus": name, "sha256": {path.name: sha}}
+def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
+    return list(iter_jsonl(path, required))
 
 
-def truncate(text: str, max_bytes: int) -> str:
-    """At most `max_bytes` UTF-8 bytes of `text`, cut after a newline (never mid-line)."""
-    data = text.encode("utf-8")
-    if max_bytes == 0 or len(data) <= max_bytes:
-        return text
-    cut = data.rfind(b"\n", 0, max_bytes)
-    return data[: cut + 1].decode("utf-8") if cut >= 0 else ""
-
-
-def write_corpus(docs: dict[str, list[str]], cfg: Config, out: Path) -> dict:
+def write_corpus(cfg: Config, workdir: Path, out: Path) -> tuple[dict, dict]:
+    """Stream the corpus into out/{split}.txt and .docs.npy. Returns (per-split counts, source description
+    with the sha256 of the raw files)."""
     out.mkdir()
-    stats = {}
-    for split in SPLITS:
-        budget = cfg.max_bytes
-        offsets, chunks, size = [], [], 0
-        for doc in docs[split]:
-            doc = doc if doc.endswith("\n") else doc + "\n"
-            if budget:
-                doc = truncate(doc, budget - size)
-                if not doc:
-                    break
-            offsets.append(size)
-            chunks.append(doc)
-            size += len(doc.encode("utf-8"))
-        text = "".join(chunks)
-        if not text.strip():
-            whole = sum(len(d.encode("utf-8")) for part in docs.values() for d in part)
-            if any(d.strip() for d in docs[split]):  # max_bytes cut it away (it keeps whole lines)
-                fix = f"raise prepare_data.max_bytes (now {cfg.max_bytes}) above its first line"
-            elif whole < 1000:
-                fix = f"the corpus holds only {whole} bytes: use a larger corpus"
-            elif split == "train":
-                fix = "lower val_fraction/test_fraction"
+    writers = {split: SplitWriter(out, split, cfg.max_bytes) for split in SPLITS}
+    name = cfg.corpus
+    try:
+        if name == "tinyshakespeare":
+            raw = workdir / "tinyshakespeare.txt"
+            source = {"corpus": name, "sha256": {"input.txt": fetch(sources.TINYSHAKESPEARE, raw)}}
+            whole = split_text_file(raw, cfg, writers)
+        elif name == "wikitext2":
+            source, whole = {"corpus": name, "sha256": {}}, 0
+            for split, raw in sources.WIKITEXT2.items():
+                dest = workdir / Path(raw.mirror).name
+                source["sha256"][dest.name] = fetch_wikitext2(split, raw, dest)
+                writers[split].start()  # each split file is one document
+                with open(dest, "rb") as fh:
+                    offset = 0
+                    for line in fh:
+                        writers[split].add(decode_line(line, str(dest), offset))
+                        offset += len(line)
+                whole += offset
+        elif name.startswith("hub:"):
+            source, whole = {"corpus": name, "sha256": {}}, write_hub_corpus(name, cfg, writers)
+        else:
+            path = Path(name)
+            if not path.is_file():
+                raise DataError(
+                    f"prepare_data.corpus: {name!r} is neither a known corpus (tinyshakespeare, wikitext2), "
+                    "a hub:<dataset id>, nor an existing .txt/.jsonl file"
+                )
+            source = {"corpus": name, "sha256": {path.name: ckpt.sha256_file(path)}}
+            if path.suffix == ".jsonl":
+                field = cfg.text_field
+                count = sum(1 for r in iter_jsonl(path, (field,)) if r[field].strip())  # checks every record first
+                docs = (r[field] for r in iter_jsonl(path, (field,)))
+                whole = split_documents(docs, count, writers, cfg, name)
             else:
-                fix = f"raise prepare_data.{split[:4]}_fraction"
-            raise DataError(f"the {split} split of {cfg.corpus} is empty; {fix}")
-        (out / f"{split}.txt").write_text(text, encoding="utf-8")
-        np.save(out / f"{split}.docs.npy", np.asarray(offsets, dtype=np.int64))
-        stats[split] = {"bytes": size, "documents": len(offsets), "lines": text.count("\n")}
-    return stats
+                whole = split_text_file(path, cfg, writers)
+        stats = {split: w.finish() for split, w in writers.items()}
+    finally:
+        for w in writers.values():
+            w.text.close()
+            w.offsets.close()
+    check_splits(writers, cfg, whole)
+    return stats, source
+
+
+def fetch_wikitext2(split: str, raw: sources.RawFile, dest: Path) -> str:
+    """A WikiText-2 split file from the mirror or its URL, else from the hub (rows are the file's lines)."""
+    try:
+        return fetch(raw, dest)
+    except DataError as e:
+        if mirror_dir() is not None:
+            raise DataError(
+                f"wikitext2 {split} split: {e} (or unset it to read wikitext-2-raw-v1 from the hub)"
+            ) from None
+    ds = load_hub(sources.WIKITEXT2_HUB[0], name=sources.WIKITEXT2_HUB[1])
+    hub_split = {"val": "validation"}.get(split, split)
+    with open(dest, "w", encoding="utf-8") as fh:  # blank lines are stored as ""
+        for row in ds[hub_split]:
+            fh.write(row["text"] or "\n")
+    return ckpt.sha256_file(dest)
+
+
+def write_hub_corpus(name: str, cfg: Config, writers: dict[str, SplitWriter]) -> int:
+    """A hub dataset's text column, row by row (the datasets library keeps the data on disk): its own
+    train/validation/test splits when it has them, else its train split cut by position."""
+    dataset, _, conf = name[4:].partition(":")
+    ds = load_hub(dataset, **({"name": conf} if conf else {}))
+    if cfg.text_field not in ds[next(iter(ds))].column_names:
+        raise DataError(f"hub dataset {dataset} has no column '{cfg.text_field}'; set prepare_data.text_field")
+    field = cfg.text_field
+    if {"validation", "test"} <= set(ds):
+        whole = 0
+        for split, hub_split in zip(SPLITS, ("train", "validation", "test"), strict=True):
+            for row in ds[hub_split]:
+                if row[field].strip():
+                    writers[split].add_document(row[field])
+                    whole += len(row[field].encode("utf-8"))
+        return whole
+    count = sum(1 for row in ds["train"] if row[field].strip())
+    return split_documents((row[field] for row in ds["train"]), count, writers, cfg, name)
 
 
 # ------------------------------------------------------------------------------- instructions, graphs
@@ -325,8 +402,8 @@ def write_graphs(cfg: Config, out: Path) -> dict:
 def prepare(cfg: Config, output: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="prepare_data-") as work, atomic.folder(output) as tmp:
         work = Path(work)
-        docs, source = load_corpus(cfg, work)
-        meta = {"corpus": {**source, "splits": write_corpus(docs, cfg, tmp / "corpus")}}
+        splits, source = write_corpus(cfg, work, tmp / "corpus")
+        meta = {"corpus": {**source, "splits": splits}}
         if cfg.instructions != "none":
             meta["instructions"] = write_instructions(cfg, tmp, work)
         meta["graphs"] = {"names": list(cfg.graphs), "raw_sha256": write_graphs(cfg, tmp)}
