@@ -41,6 +41,7 @@ STAGE = "tokenize"
 SPLITS = ("train", "val", "test")
 # The most text one unit of resumable work holds (PIPELINE_TOKENIZE_CHUNK_BYTES overrides it).
 CHUNK_BYTES = 64 << 20
+JOIN_TOKENS = 1 << 20  # ids read at a time when chunks are joined into shards
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,9 @@ def tokenize(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime, tracker:
                 counts = {"tokens": 0, "bytes": 0, "words": 0, "documents": 0}
                 for k in range(len(plan[split])):
                     name = work / f"{split}-{k:06d}"
-                    writer.write(np.fromfile(name.with_suffix(".ids"), dtype=dtype))
+                    with open(name.with_suffix(".ids"), "rb") as fh:
+                        while len(ids := np.fromfile(fh, dtype=dtype, count=JOIN_TOKENS)):
+                            writer.write(ids)
                     for key, value in json.loads(name.with_suffix(".json").read_text()).items():
                         counts[key] += value
                 meta["splits"][split] = {**counts, "shards": writer.close()}
