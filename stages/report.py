@@ -118,9 +118,12 @@ def read_rows(folder: Path, label: str, commit: str, data_files: dict) -> list[d
     return out
 
 
-def fmt(value) -> str:
-    if isinstance(value, bool) or value is None:
-        return {True: "pass", False: "FAIL", None: "n/a"}[value]
+def fmt(value, verdict: bool = False) -> str:
+    """A table cell; with `verdict`, a row's pass column (true: pass, false: FAIL)."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return ("pass" if value else "FAIL") if verdict else str(value).lower()
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, dict):
@@ -140,7 +143,7 @@ def render_markdown(doc: dict) -> str:
         "|" + "---|" * len(ROW_FIELDS),
     ]
     for row in doc["rows"]:
-        lines.append("| " + " | ".join(fmt(row[k]) for k in ROW_FIELDS) + " |")
+        lines.append("| " + " | ".join(fmt(row[k], k == "pass") for k in ROW_FIELDS) + " |")
     if not doc["rows"]:
         lines.append("| " + " | ".join(["-"] * len(ROW_FIELDS)) + " |")
         lines += ["", "_No stage of this pipeline reproduces a published result yet._"]
@@ -155,7 +158,7 @@ def render_markdown(doc: dict) -> str:
                 "| " + " | ".join(ROW_FIELDS) + " |",
                 "|" + "---|" * len(ROW_FIELDS),
             ]
-            lines += ["| " + " | ".join(fmt(row[k]) for k in ROW_FIELDS) + " |" for row in reg["rows"]]
+            lines += ["| " + " | ".join(fmt(row[k], k == "pass") for k in ROW_FIELDS) + " |" for row in reg["rows"]]
         else:
             lines.append(
                 f"_No recorded perplexities for these params (fingerprint `{reg['params']}`); "
