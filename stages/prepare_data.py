@@ -45,11 +45,12 @@ from stages.common import atomic, ckpt, config, runtime, sources, stage, track
 
 STAGE = "prepare_data"
 SPLITS = ("train", "val", "test")
+PIECE_BYTES = 16 << 10  # in a mixture, longer documents are interleaved in pieces of whole lines this size
 
 
 @dataclass(frozen=True)
 class Config:
-    corpus: str
+    corpus: str | tuple[dict, ...]  # one source, or a mixture: [{source: ..., weight: ...}, ...]
     text_field: str
     val_fraction: float
     test_fraction: float
@@ -65,9 +66,32 @@ class Config:
             raise ValueError("val_fraction and test_fraction must each be in (0, 1) and sum to less than 1")
         if self.max_bytes < 0 or self.instructions_max_records < 0:
             raise ValueError("max_bytes and instructions_max_records must be >= 0 (0 means no limit)")
+        if not isinstance(self.corpus, str):
+            mixture_sources(self.corpus)  # checks the mixture's entries
         bad = [g for g in self.graphs if g not in sources.PLANETOID_NAMES]
         if bad:
             raise ValueError(f"graphs: unknown graph {bad[0]!r}; valid: {', '.join(sources.PLANETOID_NAMES)}")
+
+
+def mixture_sources(entries) -> list[tuple[str, float]]:
+    """[(source, weight)] of a mixture; a malformed entry or a weight <= 0 is a ValueError naming it."""
+    if not entries:
+        raise ValueError("corpus: a mixture needs at least one {source: ..., weight: ...} entry")
+    out = []
+    for i, entry in enumerate(entries):
+        where = f"corpus[{i}]"
+        if not isinstance(entry, dict) or set(entry) != {"source", "weight"}:
+            raise ValueError(f"{where} must be a mapping with the keys source and weight, got {entry!r}")
+        source, weight = entry["source"], entry["weight"]
+        if not isinstance(source, str) or not source:
+            raise ValueError(f"{where}.source must be a corpus name or path, got {source!r}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ValueError(f"{where}.weight (source {source}) must be a number > 0, got {weight!r}")
+        out.append((source, float(weight)))
+    names = [s for s, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"corpus: a mixture names each source once, got {names}")
+    return out
 
 
 class DataError(config.UserError):
@@ -186,10 +210,10 @@ class SplitWriter:
         return {"bytes": self.size, "documents": self.documents, "lines": self.lines}
 
 
-def check_splits(writers: dict[str, SplitWriter], cfg: Config, whole: int) -> None:
-    """Every split must hold text: else one error naming the setting to change."""
+def check_splits(writers: dict[str, SplitWriter], name: str, cfg: Config, whole: int) -> None:
+    """Every split of corpus `name` must hold text: else one error naming the setting to change."""
     if not any(w.seen_text for w in writers.values()):
-        raise DataError(f"corpus {cfg.corpus} holds only whitespace; point prepare_data.corpus at real text")
+        raise DataError(f"corpus {name} holds only whitespace; point prepare_data.corpus at real text")
     for split, w in writers.items():
         if w.kept_text:
             continue
@@ -201,7 +225,7 @@ def check_splits(writers: dict[str, SplitWriter], cfg: Config, whole: int) -> No
             fix = "lower val_fraction/test_fraction"
         else:
             fix = f"raise prepare_data.{split[:4]}_fraction"
-        raise DataError(f"the {split} split of {cfg.corpus} is empty; {fix}")
+        raise DataError(f"the {split} split of {name} is empty; {fix}")
 
 
 def split_text_file(path: Path, cfg: Config, writers: dict[str, SplitWriter]) -> int:
@@ -268,53 +292,138 @@ def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
     return list(iter_jsonl(path, required))
 
 
-def write_corpus(cfg: Config, workdir: Path, out: Path) -> tuple[dict, dict]:
-    """Stream the corpus into out/{split}.txt and .docs.npy. Returns (per-split counts, source description
-    with the sha256 of the raw files)."""
+def write_source(name: str, cfg: Config, workdir: Path, writers: dict[str, SplitWriter]) -> tuple[int, dict]:
+    """Stream corpus `name` into the split writers. Returns (its bytes, its description with the sha256
+    of its raw files)."""
+    if name == "tinyshakespeare":
+        raw = workdir / "tinyshakespeare.txt"
+        source = {"corpus": name, "sha256": {"input.txt": fetch(sources.TINYSHAKESPEARE, raw)}}
+        return split_text_file(raw, cfg, writers), source
+    if name == "wikitext2":
+        source, whole = {"corpus": name, "sha256": {}}, 0
+        for split, raw in sources.WIKITEXT2.items():
+            dest = workdir / Path(raw.mirror).name
+            source["sha256"][dest.name] = fetch_wikitext2(split, raw, dest)
+            writers[split].start()  # each split file is one document
+            with open(dest, "rb") as fh:
+                offset = 0
+                for line in fh:
+                    writers[split].add(decode_line(line, str(dest), offset))
+                    offset += len(line)
+            whole += offset
+        return whole, source
+    if name.startswith("hub:"):
+        return write_hub_corpus(name, cfg, writers), {"corpus": name, "sha256": {}}
+    path = Path(name)
+    if not path.is_file():
+        raise DataError(
+            f"prepare_data.corpus: {name!r} is neither a known corpus (tinyshakespeare, wikitext2), "
+            "a hub:<dataset id>, nor an existing .txt/.jsonl file"
+        )
+    source = {"corpus": name, "sha256": {path.name: ckpt.sha256_file(path)}}
+    if path.suffix == ".jsonl":
+        field = cfg.text_field
+        count = sum(1 for r in iter_jsonl(path, (field,)) if r[field].strip())  # checks every record first
+        docs = (r[field] for r in iter_jsonl(path, (field,)))
+        return split_documents(docs, count, writers, cfg, name), source
+    return split_text_file(path, cfg, writers), source
+
+
+def write_split_files(name: str, cfg: Config, workdir: Path, out: Path, budget: int) -> tuple[dict, dict]:
+    """Corpus `name` into out/{split}.txt and .docs.npy, checked. Returns (per-split counts, description)."""
     out.mkdir()
-    writers = {split: SplitWriter(out, split, cfg.max_bytes) for split in SPLITS}
-    name = cfg.corpus
+    writers = {split: SplitWriter(out, split, budget) for split in SPLITS}
     try:
-        if name == "tinyshakespeare":
-            raw = workdir / "tinyshakespeare.txt"
-            source = {"corpus": name, "sha256": {"input.txt": fetch(sources.TINYSHAKESPEARE, raw)}}
-            whole = split_text_file(raw, cfg, writers)
-        elif name == "wikitext2":
-            source, whole = {"corpus": name, "sha256": {}}, 0
-            for split, raw in sources.WIKITEXT2.items():
-                dest = workdir / Path(raw.mirror).name
-                source["sha256"][dest.name] = fetch_wikitext2(split, raw, dest)
-                writers[split].start()  # each split file is one document
-                with open(dest, "rb") as fh:
-                    offset = 0
-                    for line in fh:
-                        writers[split].add(decode_line(line, str(dest), offset))
-                        offset += len(line)
-                whole += offset
-        elif name.startswith("hub:"):
-            source, whole = {"corpus": name, "sha256": {}}, write_hub_corpus(name, cfg, writers)
-        else:
-            path = Path(name)
-            if not path.is_file():
-                raise DataError(
-                    f"prepare_data.corpus: {name!r} is neither a known corpus (tinyshakespeare, wikitext2), "
-                    "a hub:<dataset id>, nor an existing .txt/.jsonl file"
-                )
-            source = {"corpus": name, "sha256": {path.name: ckpt.sha256_file(path)}}
-            if path.suffix == ".jsonl":
-                field = cfg.text_field
-                count = sum(1 for r in iter_jsonl(path, (field,)) if r[field].strip())  # checks every record first
-                docs = (r[field] for r in iter_jsonl(path, (field,)))
-                whole = split_documents(docs, count, writers, cfg, name)
-            else:
-                whole = split_text_file(path, cfg, writers)
+        whole, source = write_source(name, cfg, workdir, writers)
         stats = {split: w.finish() for split, w in writers.items()}
     finally:
         for w in writers.values():
             w.text.close()
             w.offsets.close()
-    check_splits(writers, cfg, whole)
+    check_splits(writers, name, cfg, whole)
     return stats, source
+
+
+def documents(folder: Path, split: str):
+    """The documents of a split written by SplitWriter, in order, as (bytes, lines); a document longer
+    than PIECE_BYTES (a text file's split is one document) comes in pieces of whole lines of at most
+    that size (or one line), each a document of its own."""
+    txt = folder / f"{split}.txt"
+    offsets = np.load(folder / f"{split}.docs.npy", mmap_mode="r")
+    size = txt.stat().st_size
+    with open(txt, "rb") as fh:
+        for k in range(len(offsets)):
+            left = (int(offsets[k + 1]) if k + 1 < len(offsets) else size) - int(offsets[k])
+            piece, piece_bytes = [], 0
+            while left > 0:
+                raw = fh.readline()
+                left -= len(raw)
+                if piece and piece_bytes + len(raw) > PIECE_BYTES:
+                    yield piece_bytes, piece
+                    piece, piece_bytes = [], 0
+                piece.append(raw.decode("utf-8"))
+                piece_bytes += len(raw)
+            if piece:
+                yield piece_bytes, piece
+
+
+def mix(parts: list[tuple[Path, float]], split: str, writer: SplitWriter) -> list[dict]:
+    """Interleave the sources' documents of `split` by weight: the next document always comes from the
+    source with the fewest bytes written per unit of weight (the first such source on a tie), and the
+    split ends when the source whose turn it is has no document left (or max_bytes is reached), so every
+    source holds its weight's share of the split to within one document. Returns each source's counts."""
+    streams = [documents(folder, split) for folder, _ in parts]
+    counts = [{"bytes": 0, "documents": 0} for _ in parts]
+    while not writer.full:
+        i = min(range(len(parts)), key=lambda j: (counts[j]["bytes"] / parts[j][1], j))
+        doc = next(streams[i], None)
+        if doc is None:
+            break
+        before = (writer.size, writer.documents)
+        writer.start()
+        for line in doc[1]:
+            writer.add(line)
+        counts[i]["bytes"] += writer.size - before[0]  # what max_bytes let through
+        counts[i]["documents"] += writer.documents - before[1]
+    return counts
+
+
+def write_corpus(cfg: Config, workdir: Path, out: Path) -> tuple[dict, dict]:
+    """Stream the corpus (one source, or a mixture of several) into out/{split}.txt and .docs.npy.
+    Returns (per-split counts, description of the source(s) with the sha256 of the raw files)."""
+    if isinstance(cfg.corpus, str):
+        return write_split_files(cfg.corpus, cfg, workdir, out, cfg.max_bytes)
+    # A mixture: each source split on its own (in full, in the work folder), then interleaved by weight.
+    parts, described = [], []
+    for i, (name, weight) in enumerate(mixture_sources(cfg.corpus)):
+        folder = workdir / f"source-{i}"
+        (workdir / f"raw-{i}").mkdir()
+        stats, source = write_split_files(name, cfg, workdir / f"raw-{i}", folder, 0)
+        parts.append((folder, weight))
+        described.append({**source, "weight": weight, "splits": stats})
+    out.mkdir()
+    total = sum(w for _, w in parts)
+    splits = {}
+    for split in SPLITS:
+        writer = SplitWriter(out, split, cfg.max_bytes)
+        try:
+            used = mix(parts, split, writer)
+            splits[split] = writer.finish()
+        finally:
+            writer.text.close()
+            writer.offsets.close()
+        if not writer.kept_text:
+            raise DataError(
+                f"the {split} split of the mixture is empty; raise prepare_data.max_bytes or use larger sources"
+            )
+        for source, counts in zip(described, used, strict=True):
+            source.setdefault("used", {})[split] = {
+                **counts,
+                "share": round(counts["bytes"] / max(splits[split]["bytes"], 1), 6),
+                "target_share": round(source["weight"] / total, 6),
+            }
+    sha = {f"{i}:{k}": v for i, d in enumerate(described) for k, v in d["sha256"].items()}
+    return splits, {"corpus": "mixture", "sources": described, "sha256": sha}
 
 
 def fetch_wikitext2(split: str, raw: sources.RawFile, dest: Path) -> str:
@@ -418,6 +527,8 @@ def prepare(cfg: Config, output: Path) -> dict:
 def metrics_of(meta: dict) -> dict:
     """The stage's DVC/MLflow metrics: size of every split and of the instruction data."""
     out = {f"{s}_{k}": v for s, d in meta["corpus"]["splits"].items() for k, v in d.items()}
+    for i, source in enumerate(meta["corpus"].get("sources", ())):
+        out |= {f"source{i}_{s}_share": used["share"] for s, used in source["used"].items()}
     if "instructions" in meta:
         out["instruction_records"] = meta["instructions"]["records"]
     return out

@@ -122,3 +122,50 @@ def test_config_errors_come_before_any_work(workdir):
     with pytest.raises(config.ConfigError, match="prepare_data.max_bytes must be an int"):
         prepare_data.main(["--output", "out", "max_bytes=lots"])
     assert_nothing_written(workdir, "out")
+
+
+def test_a_mixture_interleaves_whole_documents_by_weight(workdir, mirror):
+    """TinyShakespeare (one document per split, taken in 16 KiB pieces) and a .jsonl of documents, 1:3:
+    each split ends when the source whose turn it is runs out, with every source within one piece of
+    its share; the jsonl's documents come through whole and in order; meta.json records the mixture."""
+    docs = [{"text": f"record {i} " + "word " * (40 + i % 50) + "\n" + "more " * 20} for i in range(3000)]
+    (workdir / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    mixture = "corpus=[{source: tinyshakespeare, weight: 1}, {source: docs.jsonl, weight: 3}]"
+    meta = prepare_data.main(["--output", "out", mixture, "instructions=none", "graphs=[]"])
+    corpus = meta["corpus"]
+    assert corpus["corpus"] == "mixture" and [s["weight"] for s in corpus["sources"]] == [1.0, 3.0]
+    assert corpus["sources"][0]["sha256"]["input.txt"].startswith("86c4e6aa")
+    for split in ("train", "val", "test"):
+        total = corpus["splits"][split]["bytes"]
+        shakespeare, records = (s["used"][split] for s in corpus["sources"])
+        assert shakespeare["bytes"] + records["bytes"] == total
+        assert abs(records["bytes"] - 0.75 * total) <= prepare_data.PIECE_BYTES, (split, records, total)
+    # The jsonl's train documents, whole and in their order, each at a document start.
+    text = (workdir / "out/corpus/train.txt").read_text()
+    offsets = np.load(workdir / "out/corpus/train.docs.npy").tolist()
+    starts = [text[o:].split("\n", 1)[0] for o in offsets]
+    numbers = [int(s.split()[1]) for s in starts if s.startswith("record ")]
+    assert numbers == list(range(len(numbers))) and len(numbers) == corpus["sources"][1]["used"]["train"]["documents"]
+    assert "First Citizen:" in text and corpus["sources"][0]["used"]["train"]["documents"] > 1
+    figures = json.loads((workdir / "out/figures.json").read_text())
+    assert figures["source1_train_share"] == corpus["sources"][1]["used"]["train"]["share"]
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("{source: docs.jsonl, weight: 0}", r"corpus\[1\]\.weight \(source docs.jsonl\) must be a number > 0, got 0"),
+        ("{source: docs.jsonl, weight: -2}", r"corpus\[1\]\.weight \(source docs.jsonl\) must be a number > 0"),
+        ("{source: docs.jsonl}", r"corpus\[1\] must be a mapping with the keys source and weight"),
+        ("{source: nowhere.jsonl, weight: 1}", r"'nowhere.jsonl' is neither a known corpus"),
+        ("{source: broken.jsonl, weight: 1}", r"broken.jsonl is not valid UTF-8: byte 51"),
+    ],
+)
+def test_a_bad_mixture_is_one_clear_error_and_writes_nothing(workdir, entry, message):
+    (workdir / "docs.jsonl").write_text(json.dumps({"text": "a document\n" * 50}) + "\n")
+    # a record whose text holds a byte that is not UTF-8 (byte 51 of the file)
+    (workdir / "broken.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "fine too"}\n{"text": "caf\xe9"}\n')
+    mixture = f"corpus=[{{source: tinyshakespeare, weight: 1}}, {entry}]"
+    with pytest.raises(config.UserError, match=message):
+        prepare_data.main(["--output", "out", mixture, "instructions=none", "graphs=[]"])
+    assert_nothing_written(workdir, "out")
