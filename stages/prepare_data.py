@@ -509,7 +509,12 @@ def write_graphs(cfg: Config, out: Path) -> dict:
 
 # ----------------------------------------------------------------------------------------------- main
 def prepare(cfg: Config, output: Path) -> dict:
-    with tempfile.TemporaryDirectory(prefix="prepare_data-") as work, atomic.folder(output) as tmp:
+    # Downloads and a mixture's per-source splits go beside the output (as big as it), not to /tmp.
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        tempfile.TemporaryDirectory(prefix=f".{output.name}.work-", dir=output.parent) as work,
+        atomic.folder(output) as tmp,
+    ):
         work = Path(work)
         splits, source = write_corpus(cfg, work, tmp / "corpus")
         meta = {"corpus": {**source, "splits": splits}}

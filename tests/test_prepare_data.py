@@ -66,6 +66,7 @@ def test_jsonl_corpus_keeps_documents(workdir):
 def assert_nothing_written(folder: Path, name: str) -> None:
     assert not (folder / name).exists(), f"{name} was left behind"
     assert not list(folder.glob(f".{name}.tmp-*")), "a temporary folder was left behind"
+    assert not list(folder.glob(f".{name}.work-*")), "a work folder was left behind"
 
 
 def make_mirror(tmp_path: Path, content: bytes) -> Path:
