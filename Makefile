@@ -58,7 +58,7 @@ bench: $(STAMP)
 # The MLflow UI on 127.0.0.1 only, over the embedded store that stages write (mlflow.db, mlartifacts/);
 # first the pages to open (the runs table in the saved view `training`, the registered models).
 mlflow-ui: $(STAMP)
-	@python -m pipelines.ui $(MLFLOW_PORT) 2>/dev/null
+	-@python -m pipelines.ui $(MLFLOW_PORT) sqlite:///$(CURDIR)/mlflow.db
 	mlflow server --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1
 
 # One self-contained HTML page of the last run: results table, stage metrics, plots (report.html).

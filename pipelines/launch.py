@@ -181,12 +181,12 @@ def main() -> None:
     if code != 0 and stopped.exists():
         code = 143  # stopped after a checkpoint: re-running resumes (schedulers read 143 as preempted)
     stopped.unlink(missing_ok=True)
-    if code != 0:
-        mark_pipeline(sys.argv[1], code)
     if code == 0 and not os.environ.get("PIPELINE_SNAKEMAKE"):
         forget_snakemake_records(sys.argv[1])
     if warned and code != 0 and os.environ.get("SLURM_JOB_ID"):
-        requeue(os.environ["SLURM_JOB_ID"], code)
+        requeue(os.environ["SLURM_JOB_ID"], code)  # first: the job's time limit is near
+    if code != 0:
+        mark_pipeline(sys.argv[1], code)
     raise SystemExit(code)
 
 

@@ -1,6 +1,8 @@
 """Print the pages of the MLflow UI to open for this repository's store: `make mlflow-ui` runs it first.
 
-    python -m pipelines.ui [PORT]
+    python -m pipelines.ui [PORT [STORE]]
+
+STORE is the backend store URI the server serves (default: the stages' store, stages/common/track.py).
 
 The runs table in the saved view `training` (the columns a user compares across stage runs, see
 stages/common/track.py: VIEW_COLUMNS) and the registered models, both in the UI's model-training mode.
@@ -15,10 +17,9 @@ from pathlib import Path
 from stages.common import track
 
 
-def pages(base: str, root: Path) -> list[str]:
+def pages(base: str, uri: str) -> list[str]:
     import mlflow
 
-    uri = track.tracking_uri(root)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         return [base]  # no stage ran: nothing to show yet (and no empty store to create)
     exp = mlflow.MlflowClient(uri).get_experiment_by_name(track.EXPERIMENT)
@@ -29,7 +30,14 @@ def pages(base: str, root: Path) -> list[str]:
 
 def main() -> None:
     port = sys.argv[1] if len(sys.argv) > 1 else "5000"
-    for page in pages(f"http://127.0.0.1:{port}", Path.cwd().resolve()):
+    uri = sys.argv[2] if len(sys.argv) > 2 else track.tracking_uri(Path.cwd())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        found = pages(base, uri)
+    except Exception as e:  # noqa: BLE001 - the server starts anyway; say why there are no links
+        found = [base]
+        print(f"(no experiment links: {uri} could not be read: {type(e).__name__})", flush=True)
+    for page in found:
         print(f"open {page}", flush=True)
 
 

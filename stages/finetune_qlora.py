@@ -417,7 +417,7 @@ def run(
             tracker.log_artifact(output / "figures.json")
             tracker.log_artifact(output / "adapter", "adapter")
             inputs = [records_path, Path(cfg.base)]
-            stage.register_models(tracker, STAGE, cfg, {output.name: output / "model"}, output, inputs, digest)
+            stage.register_models(tracker, STAGE, cfg, {cfg.quantization: output / "model"}, output, inputs, digest)
             ckpt.discard(folder)  # the run is complete; its checkpoints are spent
     runtime.print0(
         f"finetune_qlora ({cfg.quantization}): eval loss {eval_loss:.4f}, peak memory {peak:.0f} MiB, linear "

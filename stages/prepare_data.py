@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import urllib.request
@@ -45,6 +46,7 @@ from stages.common import atomic, ckpt, config, runtime, sources, stage, track
 
 STAGE = "prepare_data"
 SPLITS = ("train", "val", "test")
+LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")
 PIECE_BYTES = 16 << 10  # in a mixture, longer documents are interleaved in pieces of whole lines this size
 
 
@@ -171,20 +173,22 @@ class SplitWriter:
         self.offsets_path = folder / f".{split}.docs.raw"
         self.offsets = open(self.offsets_path, "wb")  # noqa: SIM115 - closed by finish()
         self.size = self.documents = self.lines = 0
-        self.full = self.in_doc = False
+        self.full = self.in_doc = self.doc_cut = False
         self.seen_text = self.kept_text = False  # a non-blank line offered / kept
 
     def start(self) -> None:
-        self.in_doc = False  # the offset is taken at the document's first kept line
+        self.in_doc = self.doc_cut = False  # the offset is taken at the document's first kept line
 
     def add(self, line: str) -> None:
         if line.strip():
             self.seen_text = True
-        if self.full:
+        if self.full or self.doc_cut:
             return
         data = (line if line.endswith("\n") else line + "\n").encode("utf-8")
         if self.budget and self.size + len(data) > self.budget:
-            self.full = True
+            # a document keeps its lines that fit; one whose first line does not fit ends the split
+            self.doc_cut = True
+            self.full = not self.in_doc
             return
         if not self.in_doc:
             self.offsets.write(np.int64(self.size).tobytes())
@@ -197,7 +201,7 @@ class SplitWriter:
 
     def add_document(self, doc: str) -> None:
         self.start()
-        for line in doc.splitlines(keepends=True):
+        for line in LINES.findall(doc):  # lines end at "\n" only (str.splitlines also cuts at \r, \f, ...)
             self.add(line)
 
     def finish(self) -> dict:

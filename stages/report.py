@@ -338,7 +338,7 @@ def mark_reproduced(doc: dict, inputs: list[Path]) -> dict[str, int]:
     folders = {stage_label(p): p for p in inputs}
     hashes, marked = {}, {}
     for name, (label, passes) in sorted(row_subjects(doc).items()):
-        if not passes or not all(p is True for p in passes) or label not in folders:
+        if not passes or not all(p is True for p in passes) or label not in folders or not registry.is_registered(name):
             continue
         if label not in hashes:
             hashes[label] = registry.dvc_md5(folders[label])

@@ -214,6 +214,10 @@ def trained_tokenizer(cfg: Config, corpus: Path, work: Path, rt: runtime.Runtime
     return Tokenizer.from_file(str(saved))
 
 
+def chunk_done(work: Path, split: str, k: int) -> bool:
+    return (work / f"{split}-{k:06d}.json").is_file()
+
+
 def encode_chunks(tok, cfg: Config, corpus: Path, work: Path, rt: runtime.Runtime) -> dict:
     """Encode every chunk of every split not encoded yet (the plan is made once, by the first run: any
     later world size follows it). Chunk k of a split becomes <split>-<k>.ids, then <split>-<k>.json with
@@ -224,7 +228,8 @@ def encode_chunks(tok, cfg: Config, corpus: Path, work: Path, rt: runtime.Runtim
     runtime.barrier()
     plan = json.loads((work / "plan.json").read_text())
     chunks = [(split, k, a, b) for split in SPLITS for k, (a, b) in enumerate(plan[split])]
-    todo = [c for c in chunks if not (work / f"{c[0]}-{c[1]:06d}.json").is_file()]
+    # Rank 0 decides what is left (a rank looking later would see chunks finished meanwhile).
+    todo = runtime.broadcast_object([c for c in chunks if not chunk_done(work, c[0], c[1])] if rt.is_main else None)
     if len(todo) < len(chunks):
         runtime.print0(f"tokenize: resuming, {len(chunks) - len(todo)} of {len(chunks)} chunks already encoded", rt=rt)
     t0, tokens = time.perf_counter(), 0
@@ -273,6 +278,9 @@ def tokenize(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime, tracker:
                 "splits": {},
             }
             plan = json.loads((work / "plan.json").read_text())
+            missing = [f"{sp}-{k:06d}" for sp in SPLITS for k in range(len(plan[sp])) if not chunk_done(work, sp, k)]
+            if missing:
+                raise RuntimeError(f"tokenize: chunks {', '.join(missing[:5])} of {work} were not encoded")
             for split in SPLITS:
                 # the chunks in file order, one at a time: the split never is in memory whole
                 writer = shards.ShardWriter(tmp, split, dtype, cfg.shard_tokens)
@@ -312,7 +320,14 @@ def run(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime) -> dict:
     digest = stage.inputs_hash([inp / "corpus"], rt)
     # The work folder (tokenizer, chunk plan, encoded chunks) of these params and corpus: a run stopped
     # mid-way, even by SIGKILL, keeps what it finished, and the next run picks up from there.
-    with stage.checkpoints(STAGE, cfg, digest, rt) as work, stage.tracked(STAGE, cfg, digest, rt) as (tracker, _):
+    import tokenizers
+
+    # (chunks encoded by another version of the tokenizers library are not mixed with this one's)
+    key = {"tokenizers": tokenizers.__version__}
+    with (
+        stage.checkpoints(STAGE, cfg, digest, rt, **key) as work,
+        stage.tracked(STAGE, cfg, digest, rt) as (tracker, _),
+    ):
         meta = tokenize(cfg, inp, output, rt, tracker, work)
         if rt.is_main:
             ckpt.discard(work)

@@ -10,7 +10,9 @@ store, so no second copy on disk; an upload elsewhere) and carries its lineage a
     output            the stage's output folder, and output_dvc_md5 its hash: the `md5` of that out in dvc.lock
     params_sha256     sha256 of the stage's params section as the stage read it (overrides applied)
     inputs_hash       the stage's own content hash of its inputs (also on the run)
-    input.<path>      DVC's content hash of each input (the `md5` of that dep in dvc.lock)
+    input.<path>      DVC's content hash of each input the stage read (for pretrain's data/tokenize and
+                      extend_context's data/tokenize, the `md5` of that dep in dvc.lock; a file or
+                      subfolder of a dep, e.g. finetune_qlora's instructions.jsonl, has its own hash)
 
 The report stage sets the alias `reproduced` on the version whose report rows all pass. A version loads
 as the stage wrote it: `AutoModelForCausalLM.from_pretrained(resolve("models:/pretrain@reproduced"))`, and
@@ -22,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -57,6 +60,12 @@ def params_sha256(section: dict) -> str:
     return hashlib.sha256(json.dumps(section, sort_keys=True).encode()).hexdigest()
 
 
+def tag_key(text: str) -> str:
+    """`text` as an MLflow tag key (letters, digits, _ . - space : / only; no empty path parts)."""
+    key = re.sub(r"[^\w.\- :/]", "_", text)
+    return "/".join(part for part in key.split("/") if part not in ("", ".", ".."))
+
+
 def lineage(output: Path, inputs: list[Path], section: dict, inputs_hash: str) -> dict:
     """The lineage tags shared by the models a stage published in `output` (see the module docstring)."""
     return {
@@ -65,7 +74,7 @@ def lineage(output: Path, inputs: list[Path], section: dict, inputs_hash: str) -
         "output_dvc_md5": dvc_md5(output),
         "params_sha256": params_sha256(section),
         "inputs_hash": inputs_hash,
-        **{f"input.{p}": dvc_md5(p) for p in inputs if Path(p).exists()},
+        **{tag_key(f"input.{p}"): dvc_md5(p) for p in inputs if Path(p).exists()},
     }
 
 
@@ -136,9 +145,23 @@ def versions_with(name: str, key: str, value: str) -> list:
 
     try:
         found = _client().search_model_versions(f"name = '{name}' and tags.`{key}` = '{value}'")
-    except MlflowException:
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
         return []
     return sorted(found, key=lambda v: int(v.version), reverse=True)
+
+
+def is_registered(name: str) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        _client().get_registered_model(name)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        return False
+    return True
 
 
 def set_alias(name: str, version: int, alias: str = ALIAS) -> None:
@@ -162,10 +185,17 @@ def resolve(uri: str) -> tuple[Path, str]:
     where = f"{uri} (registry {track.tracking_uri()})"
     if not name or not (alias if at else number.isdigit()):
         raise config.UserError(f"{uri}: write a registered model as models:/<name>@<alias> or models:/<name>/<version>")
+    problem = track.server_problem(track.tracking_uri())
+    if problem:
+        raise config.UserError(
+            f"{where}: the tracking server does not answer ({problem}); start it or fix MLFLOW_TRACKING_URI"
+        )
     client = _client()
     try:
         version = client.get_model_version_by_alias(name, alias) if at else client.get_model_version(name, number)
-    except MlflowException:
+    except MlflowException as e:
+        if e.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            raise
         known = sorted(m.name for m in client.search_registered_models(max_results=1000))
         raise config.UserError(
             f"{where}: no such registered model version; registered models: {', '.join(known) or 'none'} "
@@ -177,7 +207,24 @@ def resolve(uri: str) -> tuple[Path, str]:
         source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{path}"
     local = _local_path(source)
     if local is None or not local.is_dir():
-        import mlflow
-
-        local = Path(mlflow.artifacts.download_artifacts(source, tracking_uri=track.tracking_uri()))
+        local = download(source, name, int(version.version))
     return local, f"models:/{name}/{version.version}"
+
+
+def download(source: str, name: str, version: int) -> Path:
+    """A version kept elsewhere (a tracking server's artifact store), downloaded once into
+    <checkpoints>/registry/<name>/<version>: the ranks of a run, and later runs, share it."""
+    import mlflow
+
+    from stages.common import ckpt
+
+    dest = Path(ckpt.CHECKPOINT_ROOT) / "registry" / name / str(version)
+    if not dest.is_dir():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{version}.tmp-", dir=dest.parent))
+        mlflow.artifacts.download_artifacts(source, dst_path=str(tmp), tracking_uri=track.tracking_uri())
+        try:
+            tmp.rename(dest)
+        except OSError:  # another rank got there first: the same files
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest

@@ -206,12 +206,18 @@ def register_models(tracker, section: str, cfg, models: dict, output, inputs: li
     Rank 0 with a run open; returns {registered name: version}."""
     if not tracker:
         return {}
-    tags = registry.lineage(Path(output), [Path(p) for p in inputs], config.as_dict(cfg), digest)
     versions = {}
-    for item, folder in models.items():
-        name = registry.model_name(section, item)
-        what = f"{section} stage's model" + (f" ({item})" if item else "")
-        versions[name] = registry.register(tracker, name, Path(folder), tags, f"The {what}, registered by each run.")
+    try:
+        tags = registry.lineage(Path(output), [Path(p) for p in inputs], config.as_dict(cfg), digest)
+        for item, folder in models.items():
+            name = registry.model_name(section, item)
+            what = f"{section} stage's model" + (f" ({item})" if item else "")
+            versions[name] = registry.register(
+                tracker, name, Path(folder), tags, f"The {what}, registered by each run."
+            )
+    except Exception as e:  # noqa: BLE001 - the stage published its output; the registry is a record of it
+        print(f"{section}: could not register its model(s) in MLflow: {type(e).__name__}: {e}", file=sys.stderr)
+        tracker.set_tags({"registry_error": f"{type(e).__name__}: {e}"[:500]})
     return versions
 
 

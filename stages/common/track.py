@@ -402,8 +402,8 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
         try:
             yield Tracker(run.info.run_id)
             status = "FINISHED"
-        except runtime.Stopped:
-            status = "KILLED"  # stopped by a signal after a checkpoint: re-running resumes
+        except (runtime.Stopped, KeyboardInterrupt):
+            status = "KILLED"  # stopped by a signal (after a checkpoint, for a training stage): re-run it
             raise
         finally:
             mlflow.end_run(status=status)

@@ -84,7 +84,9 @@ def server(tmp_path_factory, mirror):
     line = next(ln for ln in recipe if ln.startswith("mlflow server"))
     assert "--host 127.0.0.1" in line and str(clone / "mlflow.db") in line
     args = [a.replace(str(clone / "mlflow.db"), str(store)) for a in shlex.split(line)]
-    pages_cmd = shlex.split(next(ln for ln in recipe if "pipelines.ui" in ln).lstrip("@").split(" 2>")[0])
+    pages_line = next(ln for ln in recipe if "pipelines.ui" in ln).lstrip("-@")
+    pages_cmd = [a.replace(str(clone / "mlflow.db"), str(store)) for a in shlex.split(pages_line)]
+    assert pages_cmd[-1] == f"sqlite:///{store}", "the pages are those of the store the server serves"
     printed = subprocess.run(
         [str(BIN / pages_cmd[0]), *pages_cmd[1:]], cwd=clone, env=env, capture_output=True, text=True, check=True
     ).stdout
