@@ -448,23 +448,36 @@ def fetch_wikitext2(split: str, raw: sources.RawFile, dest: Path) -> str:
 
 
 def write_hub_corpus(name: str, cfg: Config, writers: dict[str, SplitWriter]) -> int:
-    """A hub dataset's text column, row by row (the datasets library keeps the data on disk): its own
-    train/validation/test splits when it has them, else its train split cut by position."""
+    """A hub dataset's text column in the datasets library's streaming mode (rows arrive as they are
+    read; nothing is downloaded whole): its own train/validation/test splits when it has them, else its
+    train split cut by position (streamed twice: once to count the documents)."""
     dataset, _, conf = name[4:].partition(":")
-    ds = load_hub(dataset, **({"name": conf} if conf else {}))
-    if cfg.text_field not in ds[next(iter(ds))].column_names:
-        raise DataError(f"hub dataset {dataset} has no column '{cfg.text_field}'; set prepare_data.text_field")
+    ds = load_hub(dataset, streaming=True, **({"name": conf} if conf else {}))
     field = cfg.text_field
+
+    def rows(split: str):
+        try:
+            for row in ds[split]:
+                if not isinstance(row.get(field), str):
+                    raise DataError(f"hub dataset {dataset} has no text column '{field}'; set prepare_data.text_field")
+                yield row[field]
+        except DataError:
+            raise
+        except Exception as e:
+            raise DataError(f"reading hub dataset {dataset} ({split}) failed: {type(e).__name__}: {e}") from None
+
+    if "train" not in ds:
+        raise DataError(f"hub dataset {dataset} has no train split (it has {', '.join(ds)})")
     if {"validation", "test"} <= set(ds):
         whole = 0
         for split, hub_split in zip(SPLITS, ("train", "validation", "test"), strict=True):
-            for row in ds[hub_split]:
-                if row[field].strip():
-                    writers[split].add_document(row[field])
-                    whole += len(row[field].encode("utf-8"))
+            for text in rows(hub_split):
+                if text.strip():
+                    writers[split].add_document(text)
+                    whole += len(text.encode("utf-8"))
         return whole
-    count = sum(1 for row in ds["train"] if row[field].strip())
-    return split_documents((row[field] for row in ds["train"]), count, writers, cfg, name)
+    count = sum(1 for text in rows("train") if text.strip())
+    return split_documents(rows("train"), count, writers, cfg, name)
 
 
 # ------------------------------------------------------------------------------- instructions, graphs

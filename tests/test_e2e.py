@@ -246,22 +246,48 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     assert proc.returncode == 0 and snakemake_ran(proc.stdout + proc.stderr) == {"context_study"}, proc.stderr[-3000:]
     assert "context_study:" not in sh("dvc status", clone), "the rule's dvc commit ran too"
 
-    # A stage stopped by bad params before it opens its MLflow run still marks its invocation's run FAILED,
-    # under either tool; the runs of the stages before it stay as they were.
-    params = (clone / "params.yaml").read_text()
-    set_growth(clone, 0.5)
-    for tool in ("dvc repro context_study", "snakemake --cores 2 context_study"):
-        proc = subprocess.run(tool, shell=True, cwd=clone, env=env_for(clone), capture_output=True, text=True)
-        assert proc.returncode != 0 and "unscaled_growth must be >= 1" in proc.stdout + proc.stderr, tool
+    # A stage that stops before it opens its MLflow run still marks its invocation's run FAILED. Under
+    # DVC: bad params. Under Snakemake (its load checks params before any job): a damaged input, with
+    # PIPELINE_NO_SYNC so that it does not first re-run the stage that wrote it.
     client = mlflow.MlflowClient(f"sqlite:///{clone / 'mlflow.db'}")
-    failed = client.search_runs(
-        [client.get_experiment_by_name("pipeline").experiment_id],
-        "tags.pipeline_role = 'parent' and attributes.status = 'FAILED'",
-    )
-    assert sorted(r.data.tags["pipeline_run"][:4] for r in failed) == ["dvc-", "smk-"]
-    assert all(r.data.tags["unfinished_stages"] == "context_study:FAILED" for r in failed)
-    (clone / "params.yaml").write_text(params)
+    experiment = client.get_experiment_by_name("pipeline").experiment_id
+
+    def failed_parents() -> list:
+        return client.search_runs([experiment], "tags.pipeline_role = 'parent' and attributes.status = 'FAILED'")
+
+    params = (clone / "params.yaml").read_text()
+    try:
+        set_growth(clone, 0.5)
+        proc = subprocess.run(
+            "dvc repro context_study", shell=True, cwd=clone, env=env_for(clone), capture_output=True, text=True
+        )
+        assert proc.returncode != 0 and "unscaled_growth must be >= 1" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    finally:
+        (clone / "params.yaml").write_text(params)
+    (failed,) = failed_parents()
+    assert failed.data.tags["pipeline_run"].startswith("dvc-")
+    assert failed.data.tags["unfinished_stages"] == "context_study:FAILED"
+
+    figures = clone / "data/eval_perplexity/extend_context/figures.json"
+    saved = figures.read_bytes()
+    figures.unlink()
+    try:
+        proc = subprocess.run(
+            "snakemake --cores 2 --forcerun context_study context_study",
+            shell=True,
+            cwd=clone,
+            env={**env_for(clone), "PIPELINE_NO_SYNC": "1"},
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode != 0 and "figures.json not found" in (clone / "logs/context_study.log").read_text()
+    finally:
+        figures.write_bytes(saved)
+        sh("dvc checkout context_study", clone)  # Snakemake removed the failed job's output
+    smk = [r for r in failed_parents() if r.data.tags["pipeline_run"].startswith("smk-")]
+    assert len(smk) == 1 and smk[0].data.tags["unfinished_stages"] == "context_study:FAILED"
     assert UP_TO_DATE in sh("dvc status", clone)
+    assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
 
 
 def check_registry(clone: Path) -> None:

@@ -170,3 +170,29 @@ def test_a_bad_mixture_is_one_clear_error_and_writes_nothing(workdir, entry, mes
     with pytest.raises(config.UserError, match=message):
         prepare_data.main(["--output", "out", mixture, "instructions=none", "graphs=[]"])
     assert_nothing_written(workdir, "out")
+
+
+@pytest.mark.parametrize("splits", [("train", "validation", "test"), ("train",)])
+def test_a_hub_corpus_streams_row_by_row(workdir, monkeypatch, splits):
+    """`hub:<id>` through the datasets library's streaming mode, here on a local dataset folder (read
+    offline like a hub repository): its own splits, or its train split cut by position."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    folder = workdir / "local_dataset"
+    folder.mkdir()
+    for split in splits:
+        rows = [{"text": f"{split} document {i}\nits second line\n", "id": i} for i in range(40)] + [
+            {"text": " ", "id": -1}
+        ]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    meta = prepare_data.main(["--output", "out", f"corpus=hub:{folder}", "instructions=none", "graphs=[]"])
+    counts = [meta["corpus"]["splits"][s]["documents"] for s in ("train", "val", "test")]
+    val = (workdir / "out/corpus/val.txt").read_text()
+    if len(splits) == 3:
+        assert counts == [40, 40, 40] and val.startswith("validation document 0\nits second line\n")
+    else:  # 40 documents (the blank one skipped): 90% / 5% / 5% by position, as for a .jsonl file
+        assert counts == [36, 2, 2] and val.startswith("train document 36\n")
+    with pytest.raises(prepare_data.DataError, match="has no text column 'body'; set prepare_data.text_field"):
+        prepare_data.main(
+            ["--output", "out2", f"corpus=hub:{folder}", "text_field=body", "instructions=none", "graphs=[]"]
+        )
+    assert_nothing_written(workdir, "out2")
