@@ -7,7 +7,8 @@ missing file or a checksum mismatch stops before anything is written.
 The corpus streams, line by line and document by document, from the source into the split files, so
 memory stays flat whatever its size: a text file is cut into train/val/test by byte share, a .jsonl
 file's documents (the `text_field` of each record; every record is checked first, in a first pass) by
-position, a hub dataset row by row. `max_bytes` keeps whole lines of each split up to that size.
+position, a hub dataset row by row in the datasets library's streaming mode. `max_bytes` keeps whole lines
+of each split up to that size.
 
 Where inputs come from, in order: the mirror directory in `PIPELINE_DATA_MIRROR` (laid out like
 `shared/data`: tinyshakespeare/, wikitext-2-raw/, alpaca-5k/, planetoid/), then the public internet
