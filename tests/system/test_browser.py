@@ -164,7 +164,7 @@ def test_rest_api_groups_stage_runs_with_metrics_and_artifacts(server):
     assert models["pretrain"] == {"reproduced": "1"}, "the regression rows of the pretrain model pass"
 
 
-def render(url: str, profile: Path, *extra: str, width: int = 1600) -> str:
+def render(url: str, profile: Path, *extra: str, width: int = 1600, height: int = 1000) -> str:
     """The page's DOM after its scripts ran (or Chromium's output for a screenshot). The runs table
     draws only the columns within the window's width."""
     browser = [
@@ -174,7 +174,7 @@ def render(url: str, profile: Path, *extra: str, width: int = 1600) -> str:
         "--disable-gpu",
         "--disable-dev-shm-usage",
         f"--user-data-dir={profile}",
-        f"--window-size={width},1000",
+        f"--window-size={width},{height}",
         "--virtual-time-budget=30000",
     ]
     return subprocess.run(
@@ -235,7 +235,9 @@ def test_experiment_page_lists_the_runs_in_chromium(server, tmp_path):
     for page, name in shots.items():
         shot = ARTIFACTS / name
         shot.unlink(missing_ok=True)
-        render(page, tmp_path / "profile", f"--screenshot={shot}", width=2400 if page == runs_page else 1600)
+        # wide: more columns of the runs table; tall: the registry's first-visit notice, centred, below the table
+        size = {"width": 2400} if page == runs_page else {"height": 2000} if page == models_page else {}
+        render(page, tmp_path / "profile", f"--screenshot={shot}", **size)
         assert shot.is_file() and shot.stat().st_size > 10_000, f"Chromium wrote no screenshot of {page}"
 
 
