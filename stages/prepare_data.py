@@ -170,9 +170,9 @@ class SplitWriter:
 
     def __init__(self, folder: Path, split: str, budget: int):
         self.split, self.budget = split, budget
-        self.text = open(folder / f"{split}.txt", "wb")  # noqa: SIM115 - closed by finish()
+        self.text = open(folder / f"{split}.txt", "wb")  # noqa: SIM115 - closed by close()
         self.offsets_path = folder / f".{split}.docs.raw"
-        self.offsets = open(self.offsets_path, "wb")  # noqa: SIM115 - closed by finish()
+        self.offsets = open(self.offsets_path, "wb")  # noqa: SIM115 - closed by close()
         self.size = self.documents = self.lines = 0
         self.full = self.in_doc = self.doc_cut = False
         self.seen_text = self.kept_text = False  # a non-blank line offered / kept
@@ -205,9 +205,12 @@ class SplitWriter:
         for line in LINES.findall(doc):  # lines end at "\n" only (str.splitlines also cuts at \r, \f, ...)
             self.add(line)
 
-    def finish(self) -> dict:
+    def close(self) -> None:
         self.text.close()
         self.offsets.close()
+
+    def finish(self) -> dict:
+        self.close()
         offsets = np.memmap(self.offsets_path, dtype=np.int64, mode="r") if self.documents else np.zeros(0, np.int64)
         np.save(self.text.name.removesuffix(".txt") + ".docs.npy", np.asarray(offsets))
         del offsets
@@ -343,8 +346,7 @@ def write_split_files(name: str, cfg: Config, workdir: Path, out: Path, budget: 
         stats = {split: w.finish() for split, w in writers.items()}
     finally:
         for w in writers.values():
-            w.text.close()
-            w.offsets.close()
+            w.close()
     check_splits(writers, name, cfg, whole)
     return stats, source
 
@@ -415,8 +417,7 @@ def write_corpus(cfg: Config, workdir: Path, out: Path) -> tuple[dict, dict]:
             used = mix(parts, split, writer)
             splits[split] = writer.finish()
         finally:
-            writer.text.close()
-            writer.offsets.close()
+            writer.close()
         if not writer.kept_text:
             raise DataError(
                 f"the {split} split of the mixture is empty; raise prepare_data.max_bytes or use larger sources"

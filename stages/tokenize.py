@@ -235,11 +235,11 @@ def encode_chunks(tok, cfg: Config, corpus: Path, work: Path, rt: runtime.Runtim
     t0, tokens = time.perf_counter(), 0
     total = sum(b - a for _, _, a, b in todo)
     with runtime.progress(total=total, unit="B", unit_scale=True, desc="tokenize", rt=rt) as bar:
+        offsets = {split: np.load(corpus / f"{split}.docs.npy", mmap_mode="r") for split in SPLITS}
         for split, k, start, end in todo[rt.rank :: rt.world_size]:
             txt = corpus / f"{split}.txt"
-            offsets = np.load(corpus / f"{split}.docs.npy", mmap_mode="r")
             name = work / f"{split}-{k:06d}"
-            counts = encode_range(tok, txt, offsets, start, end, work / f".{name.name}.tmp", cfg, bar)
+            counts = encode_range(tok, txt, offsets[split], start, end, work / f".{name.name}.tmp", cfg, bar)
             os.replace(work / f".{name.name}.tmp", name.with_suffix(".ids"))
             atomic.write_json(name.with_suffix(".json"), counts)
             tokens += counts["tokens"]
