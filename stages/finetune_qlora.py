@@ -83,7 +83,7 @@ class Config:
     template: str
     seq_length: int
     eval_fraction: float
-    train: loop.TrainConfig
+    train: loop.AdapterTrainConfig
 
     def __post_init__(self):
         if self.quantization not in QUANTIZATIONS:
@@ -387,6 +387,7 @@ def run(
             "linear_weight_bits_per_weight": 8 * linear_bytes / linear_weights,
             "linear_weight_fraction_of_16bit": linear_bytes / (2 * linear_weights),
             "trainable_parameters": trainable,
+            "optimizer_state_bytes": result.optimizer_state_bytes,
             "train_records": len(train_src),
             "eval_records": len(eval_src),
         }

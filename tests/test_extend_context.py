@@ -119,7 +119,10 @@ def test_llama3_keeps_short_wavelengths_divides_long_ones_and_blends_between():
         ),
         ("variants={y: {rope_type: yarn, beta: 3}}", "variants.y.beta: not a key of rope_type yarn"),
         ("finetune=[ntk]", "finetune: ntk is not a variant; valid: unscaled, linear, dynamic, yarn, llama3"),
-        ("train.precision=fp16", "extend_context.train.precision: unknown precision 'fp16'; valid: auto, fp32, bf16"),
+        (
+            "train.precision=fp8",
+            "extend_context.train.precision: unknown precision 'fp8'; valid: auto, fp32, bf16, fp16",
+        ),
     ],
 )
 def test_bad_params_are_clear_errors(workdir, override, message):

@@ -1,6 +1,6 @@
-"""finetune_qlora on the ci model and the Alpaca subset: LoRA on a 4-bit NF4 base, under FSDP2 with 2 CPU
-processes; the adapter reloads onto the 4-bit base, the merged model matches base + adapter, exact resume,
-the loss mask, and errors raised before any compute."""
+"""finetune_qlora on the ci model and the Alpaca subset: LoRA on a 4-bit NF4 base with paged 8-bit AdamW,
+under FSDP2 with 2 CPU processes; the adapter reloads onto the 4-bit base, the merged model matches base +
+adapter, exact resume, the loss mask, and errors raised before any compute."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ TINY = [
     "train.eval_every=2",
     "train.checkpoint_every=0",
     "train.log_every=2",
-    "lora.r=4",
-    "lora.alpha=8",
+    "lora.r=64",  # every adapter matrix has >= 4,096 entries: bitsandbytes keeps its states in 8 bits
+    "lora.alpha=128",
     "lora.dropout=0.0",
     "seq_length=64",
     "template=short",
@@ -134,6 +134,15 @@ def test_one_process_trains_and_its_outputs_load_in_peft_and_transformers(base):
     assert metrics["tokens_per_s"] > 0 and metrics["train_records"] + metrics["eval_records"] <= 200
     # NF4 + double quantization: 4 bits per weight plus the per-block constants (QLoRA: 4.127 bits).
     assert 4.1 < metrics["linear_weight_bits_per_weight"] < 4.2 and metrics["peak_memory_mb"] > 0
+    # The default paged 8-bit AdamW: two uint8 moments per adapter weight plus an fp32 scale per block of
+    # 256 and the two shared 256-entry maps, not two fp32 moments. bitsandbytes keeps tensors of fewer
+    # than 4,096 entries (here the B matrices of k_proj and v_proj) in 32 bits.
+    from safetensors.torch import load_file
+
+    sizes = [t.numel() for t in load_file(base / "one/adapter/adapter_model.safetensors").values()]
+    assert sum(sizes) == metrics["trainable_parameters"] and min(sizes) < 4096 <= max(sizes)
+    want = sum(2 * n + 2 * 4 * -(-n // 256) if n >= 4096 else 8 * n for n in sizes) + 2 * 256 * 4
+    assert metrics["optimizer_state_bytes"] == want
     rows = json.loads((base / "one/results.json").read_text())
     assert len(rows) == 1 and abs(rows[0]["ours"] - rows[0]["published"]) <= rows[0]["tolerance"]
     assert (base / "one/plots/loss.png").stat().st_size > 0
@@ -150,6 +159,9 @@ def test_fsdp_trains_like_one_process_and_resumes_exactly_after_sigkill(base):
     # 2 processes under FSDP2 compute the losses of one process (batches do not depend on world size).
     np.testing.assert_allclose(loss_curve(base, "whole"), loss_curve(base, "one"), rtol=1e-4)
     metrics = json.loads((base / "whole/metrics.json").read_text())
+    # FSDP shards the frozen base; the adapters and their 8-bit optimizer states are whole on each rank.
+    figures = [json.loads((base / name / "figures.json").read_text()) for name in ("whole", "one")]
+    assert figures[0]["optimizer_state_bytes"] == figures[1]["optimizer_state_bytes"]
     from peft import PeftModel
 
     with torch.no_grad():

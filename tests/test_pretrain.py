@@ -88,10 +88,16 @@ def test_ddp_fsdp_and_one_process_train_the_same_model(tokenized, monkeypatch):
 
 @pytest.mark.parametrize(
     "layout",
-    [["train.strategy=fsdp"], ["train.strategy=ddp", "train.optimizer=adamw8bit"]],
-    ids=["fsdp", "ddp-adamw8bit"],
+    [
+        ["train.strategy=fsdp"],
+        ["train.strategy=ddp", "train.reduce_dtype=fp16", "train.optimizer=adamw8bit"],
+        ["train.strategy=fsdp", "train.reduce_dtype=bf16", "train.precision=fp16"],
+    ],
+    ids=["fsdp", "ddp-adamw8bit", "fsdp-fp16"],
 )
 def test_resume_after_kills_equals_an_uninterrupted_run(tokenized, layout):
+    """Also with 8-bit optimizer states (ddp, gradients all-reduced in fp16), and with fp16 autocast whose
+    gradient scaler is part of the checkpoint (fsdp, gradients reduce-scattered in bf16)."""
     ckpt_root = tokenized / f"ckpts-{layout[-1]}"
     env = {"PIPELINE_CHECKPOINTS": str(ckpt_root)}
     args = [*layout, "train.checkpoint_every=2"]
@@ -103,6 +109,9 @@ def test_resume_after_kills_equals_an_uninterrupted_run(tokenized, layout):
     assert proc.returncode != 0
     kept = sorted(p.name for p in ckpt_root.glob("pretrain/*/*"))
     assert "step-4" in kept and "step-6" not in kept and all(n.startswith(("step-", ".step-")) for n in kept)
+    if "train.precision=fp16" in layout:
+        (step4,) = ckpt_root.glob("pretrain/*/step-4")
+        assert torch.load(step4 / "extra.pt", weights_only=True)["grad_scaler"]["scale"] > 1
     proc = run(tokenized, resumed, 2, *args, **env)
     assert "resuming from" in proc.stdout + proc.stderr and "step 4" in proc.stdout + proc.stderr
     np.testing.assert_array_equal(loss_curve(tokenized, resumed), loss_curve(tokenized, whole))
@@ -292,7 +301,12 @@ def test_a_second_run_refuses_and_training_dies_with_its_launcher(tokenized):
             ["train.compile_mode=fast"],
             "pretrain.train.compile_mode: unknown torch.compile mode 'fast'; valid: default, ",
         ),
-        (["train.precision=fp16"], "pretrain.train.precision: unknown precision 'fp16'; valid: auto, fp32, bf16"),
+        (["train.precision=fp8"], "pretrain.train.precision: unknown precision 'fp8'; valid: auto, fp32, bf16, fp16"),
+        (["train.reduce_dtype=fp8"], "pretrain.train.reduce_dtype: unknown dtype 'fp8'; valid: fp32, bf16, fp16"),
+        (
+            ["train.strategy=fsdp", "train.optimizer=adamw8bit"],
+            "pretrain.train.optimizer: adamw8bit .* cannot step FSDP's sharded ones; use strategy ddp",
+        ),
         (["train.strategy=fsdp", "train.offload=true"], "pretrain.train.offload: .* a single process"),
         (["train.batch_size=7"], "batch_size \\(7\\) must be a multiple of micro_batch_size x processes \\(2 x 1\\)"),
     ],
@@ -342,8 +356,8 @@ def test_8bit_optimizers_train_close_to_adamw_with_a_quarter_of_its_state(tokeni
     for name in ("adamw8bit", "paged_adamw8bit"):
         out = pretrain.main([*args, "--output", name, f"train.optimizer={name}"])
         ratio = out["optimizer_state_bytes"] / base["optimizer_state_bytes"]
-        # 2 bytes of moments per parameter (0.25) plus, per tensor, block scales and two 256-entry code
-        # tables (1 KiB each), which weigh ~7% at this width; at the memory study's size the ratio is ~0.25.
+        # 2 bytes of moments per parameter (0.25) plus block scales, two shared 256-entry code tables,
+        # and 32-bit states for the tensors under 4,096 entries (norms, k/v here); ~0.25 at larger sizes.
         assert ratio <= 0.35, (name, ratio)
         np.testing.assert_allclose(out["history"]["loss"][-1], base["history"]["loss"][-1], rtol=0.02)
 
@@ -366,20 +380,22 @@ def test_compiled_model_and_loss_train_like_eager(tokenized, monkeypatch):
         torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-4)
 
 
-def test_bf16_precision_trains_under_autocast_with_fp32_weights(tokenized, monkeypatch):
-    """precision: bf16 on a CPU: autocast in bf16, fp32 master weights; the losses stay near fp32's, and
-    meta.json records the dtype and the CPU the kernels ran on (they decide the last digits)."""
+def test_bf16_and_fp16_precisions_train_under_autocast_with_fp32_weights(tokenized, monkeypatch):
+    """precision: bf16 or fp16 (with a gradient scaler) on a CPU: autocast in that dtype, fp32 master
+    weights; the losses stay near fp32's, and meta.json records the dtype and the CPU the kernels ran on
+    (they decide the last digits)."""
     monkeypatch.chdir(tokenized)
     args = ["--input", "data/tokenize", *TINY, "train.steps=3", "train.eval_every=3"]
     fp32 = pretrain.main([*args, "--output", "fp32"])
-    bf16 = pretrain.main([*args, "--output", "bf16", "train.precision=bf16"])
-    assert bf16["history"]["loss"] != fp32["history"]["loss"], "bf16 autocast rounds differently"
-    np.testing.assert_allclose(bf16["history"]["loss"], fp32["history"]["loss"], rtol=2e-2)
-    np.testing.assert_allclose(bf16["history"]["val_loss"], fp32["history"]["val_loss"], rtol=2e-2)
-    assert all(p.dtype == torch.float32 for p in bf16["model"].parameters())
+    for precision in ("bf16", "fp16"):
+        low = pretrain.main([*args, "--output", precision, f"train.precision={precision}"])
+        assert low["history"]["loss"] != fp32["history"]["loss"], f"{precision} autocast rounds differently"
+        np.testing.assert_allclose(low["history"]["loss"], fp32["history"]["loss"], rtol=2e-2)
+        np.testing.assert_allclose(low["history"]["val_loss"], fp32["history"]["val_loss"], rtol=2e-2)
+        assert all(p.dtype == torch.float32 for p in low["model"].parameters())
     from stages.common import runtime
 
-    for out, dtype in (("fp32", "torch.float32"), ("bf16", "torch.bfloat16")):
+    for out, dtype in (("fp32", "torch.float32"), ("bf16", "torch.bfloat16"), ("fp16", "torch.float16")):
         meta = json.loads((tokenized / out / "meta.json").read_text())
         assert meta["compute_dtype"] == dtype and meta["cpu"] == runtime.cpu_info()
         assert meta["cpu"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()

@@ -260,16 +260,25 @@ def state_dicts(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
 
 
 def save_checkpoint(
-    folder: Path, step: int, model, optimizer, history: list, rt: runtime.Runtime, keep: int = 2
+    folder: Path,
+    step: int,
+    model,
+    optimizer,
+    history: list,
+    rt: runtime.Runtime,
+    keep: int = 2,
+    state: dict | None = None,
 ) -> Path:
-    """Sharded model + optimizer state (every rank writes its shard), plus step, loss history and RNG
-    state; published by renaming, so a crash mid-write leaves no `step-*` folder behind."""
+    """Sharded model + optimizer state (every rank writes its shard), plus step, loss history, RNG state
+    and `state` (plain data the loop keeps, such as fp16's gradient scaler, the same on every rank);
+    published by renaming, so a crash mid-write leaves no `step-*` folder behind."""
     final = folder / f"step-{step}"
     model_sd, optim_sd, _ = state_dicts(model, optimizer)
     with atomic.folder(final, rt) as tmp:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
         if rt.is_main:
-            torch.save({"step": step, "history": history, "torch_rng": torch.get_rng_state()}, tmp / "extra.pt")
+            extra = {**(state or {}), "step": step, "history": history, "torch_rng": torch.get_rng_state()}
+            torch.save(extra, tmp / "extra.pt")
         runtime.barrier()  # every rank's shard is on disk before the manifest records them
         if rt.is_main:
             write_manifest(tmp)

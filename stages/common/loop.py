@@ -25,6 +25,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -42,11 +43,19 @@ IGNORE_INDEX = -100  # targets that carry no loss
 # torch.compile modes; the max-autotune ones also tune the matrix multiplies (Triton on GPUs) and
 # compile longer.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# The dtype gradients are averaged over processes in: FSDP2's reduce-scatter (MixedPrecisionPolicy
+# reduce_dtype), DDP's all-reduce (a compression hook), the all-reduce of replicated adapters. fp32 sums
+# exactly as the one-process run does; bf16 and fp16 halve the bytes sent.
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """The `train` section of every training stage (pretrain, extend_context, finetune_qlora)."""
+
+    # Whether the stage trains adapters on a frozen base. Under FSDP the frozen base is sharded and the
+    # few trainable parameters stay whole on every rank (see wrap), so any optimizer can step them.
+    FROZEN_BASE: ClassVar[bool] = False
 
     steps: int
     batch_size: int
@@ -72,6 +81,7 @@ class TrainConfig:
     optimizer: str = "adamw"
     activation_checkpointing_every: int = 2
     offload: bool = False
+    reduce_dtype: str = "fp32"
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -85,11 +95,13 @@ class TrainConfig:
             raise ValueError(f"optimizer: unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
         if self.optimizer != "adamw" and importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError(f"optimizer: {self.optimizer} needs bitsandbytes (pip install bitsandbytes) or use adamw")
-        if self.optimizer != "adamw" and self.strategy == "fsdp":
+        if self.optimizer != "adamw" and self.strategy == "fsdp" and not self.FROZEN_BASE:
             raise ValueError(
                 f"optimizer: {self.optimizer} keeps its states per whole parameter and cannot step FSDP's "
                 f"sharded ones; use strategy ddp or optimizer adamw"
             )
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype: unknown dtype {self.reduce_dtype!r}; valid: {', '.join(REDUCE_DTYPES)}")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(
                 f"activation_checkpointing: unknown policy {self.activation_checkpointing!r}; valid: "
@@ -115,6 +127,13 @@ class TrainConfig:
         return self.compile_mode if self.compile else None
 
 
+@dataclass(frozen=True)
+class AdapterTrainConfig(TrainConfig):
+    """The `train` section of a stage that trains adapters on a frozen base (finetune_qlora)."""
+
+    FROZEN_BASE: ClassVar[bool] = True
+
+
 @dataclass
 class TrainResult:
     history: dict
@@ -126,7 +145,7 @@ class TrainResult:
     flops_per_token: float
     compute_dtype: str
     tokens_per_s: float
-    """Over this run's steps, the first left out when there are others (warm-up, allocation)."""
+    """From the median step time of this run, the first left out when there are others (warm-up)."""
     mfu: float
     optimizer_state_bytes: int = 0
     """This process's optimizer states at the end (a shard of them under FSDP)."""
@@ -188,7 +207,14 @@ def enable_activation_checkpointing(model, every_n_layers: int = 1) -> None:
 
 
 def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
-    """Put the model on the device and under DDP or FSDP2 (one process: unwrapped)."""
+    """Put the model on the device and under DDP or FSDP2 (one process: unwrapped).
+
+    FSDP2 mixed precision: parameters are gathered in the compute dtype (bf16 or fp16; fp32 master
+    weights stay sharded) and gradients reduced in `reduce_dtype`. A model with a frozen base (adapters)
+    has only the base sharded: its trainable parameters are few (LoRA: well under 1% of a large base),
+    stay whole on every rank and have their gradients all-reduced by the loop (replicated_params), so
+    any optimizer, also bitsandbytes' 8-bit ones, steps them, and their optimizer states do not depend
+    on the number of processes."""
     # (with offload the parameters stay on the host: fully_shard places the shards)
     if not cfg.offload and any(p.device != rt.device for p in model.parameters()):
         model.to(rt.device)  # quantized models are loaded onto their device already
@@ -197,12 +223,17 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
         enable_activation_checkpointing(model, every)
     if not rt.distributed:
         return torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
+    reduce_dtype = REDUCE_DTYPES[cfg.reduce_dtype]
     if cfg.strategy == "ddp":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         # No buffer broadcast before each forward: the model's buffers (RoPE frequencies) are the same
         # on every rank by construction, and the broadcast breaks torch.compile's graph.
         model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None, broadcast_buffers=False)
+        if reduce_dtype != torch.float32:  # gradients cast down for the all-reduce, back to fp32 after
+            hooks = {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}
+            model.register_comm_hook(None, hooks[reduce_dtype])
         return torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -213,14 +244,63 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    if cfg.compute_dtype(rt.device) == torch.bfloat16:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    dtype = cfg.compute_dtype(rt.device)
+    if dtype != torch.float32 or reduce_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=reduce_dtype
+        )
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if len(trainable) < sum(1 for _ in model.parameters()):  # a frozen base: its adapters stay whole
+        kwargs["ignored_params"] = set(trainable)
+        for p in trainable:  # (under offload the base stays on the host; the adapters compute on the device)
+            p.data = p.data.to(rt.device)
     for layer in decoder_layers(model):
         if cfg.compile:
             layer.compile(mode=cfg.compile_mode)
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def replicated_params(model, cfg: TrainConfig, rt: runtime.Runtime) -> list[torch.nn.Parameter]:
+    """The trainable parameters no wrapper averages gradients of: those FSDP left whole (the adapters of
+    a frozen base). Empty under DDP and FSDP of a whole model, and in one process."""
+    if not rt.distributed or cfg.strategy != "fsdp":
+        return []
+    from torch.distributed.tensor import DTensor
+
+    return [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter], reduce_dtype: torch.dtype, rt: runtime.Runtime) -> None:
+    """Average the gradients of replicated parameters over all ranks, in one flat all-reduce in
+    `reduce_dtype` (a missing gradient counts as zeros, so every rank sends the same layout)."""
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1).to(reduce_dtype) for p in params])
+    torch.distributed.all_reduce(flat)
+    flat /= rt.world_size
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        offset += n
+
+
+def make_grad_scaler(cfg: TrainConfig, rt: runtime.Runtime):
+    """fp16's gradient scaler (None otherwise): the loss is multiplied by a scale that keeps small
+    gradients above fp16's underflow; steps whose gradients overflow are skipped and the scale halved.
+    Under FSDP the sharded scaler agrees on an overflow across ranks."""
+    if cfg.compute_dtype(rt.device) != torch.float16:
+        return None
+    if rt.distributed and cfg.strategy == "fsdp":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=rt.device.type)
+    return torch.amp.GradScaler(rt.device.type)
 
 
 def make_optimizer(model, cfg: TrainConfig):
@@ -230,7 +310,9 @@ def make_optimizer(model, cfg: TrainConfig):
     betas = (cfg.beta1, cfg.beta2)
     if cfg.optimizer == "adamw":
         # The fused kernel (CPU and CUDA) is the fastest AdamW; it is also what transformers.Trainer uses.
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=True)
+        # Not beside FSDP's sharded gradient scaler (fp16): its overflow flag has the wrong shape for it.
+        fused = not (cfg.precision == "fp16" and cfg.strategy == "fsdp")
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=fused)
     import bitsandbytes as bnb
 
     cls = bnb.optim.AdamW8bit if cfg.optimizer == "adamw8bit" else bnb.optim.PagedAdamW8bit
@@ -241,7 +323,9 @@ def optimizer_state_bytes(optimizer) -> int:
     """Bytes of this process's optimizer states (moments, and 8-bit optimizers' block scales)."""
     states = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
     states = [getattr(v, "_local_tensor", v) for v in states]  # a DTensor's own shard under FSDP
-    return sum(v.numel() * v.element_size() for v in states)
+    # Counted once per storage: 8-bit optimizers give every parameter the same quantization maps.
+    unique = {(v.untyped_storage().data_ptr(), v.device): v for v in states}
+    return sum(v.untyped_storage().nbytes() for v in unique.values())
 
 
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -278,6 +362,12 @@ def global_target_count(targets: list[torch.Tensor], rt: runtime.Runtime) -> tor
     return count.clamp(min=1)
 
 
+def autocast(cfg: TrainConfig, rt: runtime.Runtime):
+    """Autocast to the compute dtype (bf16, fp16); a no-op context in fp32."""
+    dtype = cfg.compute_dtype(rt.device)
+    return torch.autocast(rt.device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
 @torch.no_grad()
 def evaluate(model, windows, cfg: TrainConfig, rt: runtime.Runtime) -> float:
     """Mean loss per target token over `eval_batches` global batches of fixed validation windows (same
@@ -288,9 +378,7 @@ def evaluate(model, windows, cfg: TrainConfig, rt: runtime.Runtime) -> float:
         for m in range(grad_accum_steps(cfg, rt.world_size)):
             index = (m * rt.world_size + rt.rank) * cfg.micro_batch_size
             x, y = windows.batch(-1 - b, index, cfg.micro_batch_size)
-            with torch.autocast(
-                rt.device.type, dtype=torch.bfloat16, enabled=cfg.compute_dtype(rt.device) == torch.bfloat16
-            ):
+            with autocast(cfg, rt):
                 loss = lm_loss(
                     model, x.to(rt.device), y.to(rt.device), reduction="sum", compile_mode=cfg.loss_compile_mode
                 )
@@ -325,6 +413,8 @@ def train(
     fpt = flops_per_token(model, context_length)
     model = wrap(model, cfg, rt)
     optimizer = make_optimizer(model, cfg)
+    replicated = replicated_params(model, cfg, rt)
+    scaler = make_grad_scaler(cfg, rt)
     streams = (np.ndarray, shards.TokenStream)
     train_w = Windows(train_data, context_length, cfg.seed) if isinstance(train_data, streams) else train_data
     val_w = Windows(val_data, context_length, cfg.seed) if isinstance(val_data, streams) else val_data
@@ -335,10 +425,11 @@ def train(
     if latest is not None:
         extra = ckpt.load_checkpoint(latest, model, optimizer)
         start, history = extra["step"], extra["history"]
+        if scaler is not None and "grad_scaler" in extra:
+            scaler.load_state_dict(extra["grad_scaler"])
         runtime.print0(f"resuming from {latest} (step {start})", rt=rt)
     dtype = cfg.compute_dtype(rt.device)
     runtime.warn_if_emulated_bf16(rt.device, dtype, rt)
-    amp = torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     tokens_per_step = cfg.batch_size * context_length
     stopped = False
     bar = runtime.progress(total=cfg.steps, initial=start, desc="train", rt=rt)
@@ -361,14 +452,21 @@ def train(
             last = m == accum - 1
             # DDP: all-reduce gradients only on the last micro-batch of the step.
             no_sync = rt.distributed and not last and cfg.strategy == "ddp"
-            with model.no_sync() if no_sync else contextlib.nullcontext(), amp:
+            with model.no_sync() if no_sync else contextlib.nullcontext(), autocast(cfg, rt):
                 loss = lm_loss(model, x, y, reduction="sum", compile_mode=cfg.loss_compile_mode) * scale.to(
                     torch.float32
                 )
-                loss.backward()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
             loss_sum += loss.detach()
+        all_reduce_grads(replicated, REDUCE_DTYPES[cfg.reduce_dtype], rt)
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # clip the true gradients
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)  # skipped when a gradient overflowed; the scale is halved then
+            scaler.update()
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if rt.distributed:
             torch.distributed.all_reduce(loss_sum)
@@ -384,10 +482,13 @@ def train(
         metrics = {
             "loss": loss_value,
             "lr": lr,
-            "grad_norm": float(grad_norm),
             "tokens_per_s": tps,
             "mfu": fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12),
         }
+        if math.isfinite(float(grad_norm)):  # (not on an fp16 step that overflowed and was skipped)
+            metrics["grad_norm"] = float(grad_norm)
+        if scaler is not None:
+            metrics["loss_scale"] = scaler.get_scale()
         if done % cfg.log_every == 0 or done == cfg.steps:
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tps:,.0f}")
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
@@ -397,7 +498,8 @@ def train(
         tracker.log_metrics(metrics, step=done)
         stopped = runtime.any_rank(bool(stop))
         if stopped or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps):
-            ckpt.save_checkpoint(ckpt_folder, done, model, optimizer, history, rt)
+            state = {"grad_scaler": scaler.state_dict()} if scaler is not None else {}
+            ckpt.save_checkpoint(ckpt_folder, done, model, optimizer, history, rt, state=state)
         if stopped:
             runtime.print0(
                 f"stopped by {stop.signal or 'a signal to another rank'} after step {done}; checkpoint "
@@ -406,9 +508,10 @@ def train(
             )
             break
     bar.close()
-    # Throughput over this run's steps, the first (warm-up, allocation) left out when there are others.
+    # Throughput from the median step time of this run, the first step (warm-up, allocation) left out
+    # when there are others: the median is not moved by a few steps slowed by other jobs on the machine.
     timed = step_times[1:] or step_times
-    tps = tokens_per_step * len(timed) / max(sum(timed), 1e-9) if timed else 0.0
+    tps = tokens_per_step / max(float(np.median(timed)), 1e-9) if timed else 0.0
     return TrainResult(
         history=history,
         model=model,

@@ -93,7 +93,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 # CPU flags that change which kernels torch, oneDNN and bitsandbytes pick (and so the last bits of results).
 KERNEL_FLAGS = (
     "avx2",
@@ -115,13 +115,15 @@ def check_precision(precision: str) -> None:
 
 
 def compute_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
-    """The dtype a stage computes in (bf16: under autocast, fp32 master weights where it trains).
+    """The dtype a stage computes in (bf16 or fp16: under autocast, fp32 master weights where it trains).
     auto: bf16 on GPUs that support it, fp32 on CPUs, so that results recorded on one CPU hold on
-    another (bf16 is also ~20x slower than fp32 on CPUs without AVX512-BF16/AMX). fp32 and bf16 force
-    one on any device: bf16 on a CPU with AVX512-BF16 or AMX runs ~1.5-2.5x faster than fp32."""
+    another (bf16 is also ~20x slower than fp32 on CPUs without AVX512-BF16/AMX). fp32, bf16 and fp16
+    force one on any device: bf16 on a CPU with AVX512-BF16 or AMX runs ~1.5-2.5x faster than fp32."""
     check_precision(precision)
     if precision == "fp32":
         return torch.float32
+    if precision == "fp16":  # for GPUs without bf16 (before Ampere); training adds a gradient scaler
+        return torch.float16
     if precision == "bf16" or (device.type == "cuda" and torch.cuda.is_bf16_supported()):
         return torch.bfloat16
     return torch.float32
