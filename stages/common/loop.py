@@ -30,7 +30,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from stages.common import ckpt, runtime, shards
+from stages.common import ckpt, config, runtime, shards
 
 STRATEGIES = ("ddp", "fsdp")
 # AdamW in fp32, or bitsandbytes' 8-bit AdamW (block-wise quantized moments: 2 bytes per parameter
@@ -46,6 +46,9 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # The dtype gradients are averaged over processes in: FSDP2's reduce-scatter (MixedPrecisionPolicy
 # reduce_dtype), DDP's all-reduce (a compression hook), the all-reduce of replicated adapters. fp32 sums
 # exactly as the one-process run does; bf16 and fp16 halve the bytes sent.
+# How the processes share the model, not what it computes: a checkpoint saved under one layout resumes
+# under another (DCP reshards on load), so these keys are not part of the checkpoint folder's key.
+LAYOUT_KEYS = ("strategy", "tensor_parallel", "offload")
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -82,6 +85,7 @@ class TrainConfig:
     activation_checkpointing_every: int = 2
     offload: bool = False
     reduce_dtype: str = "fp32"
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -109,7 +113,21 @@ class TrainConfig:
             )
         if self.offload and self.strategy != "fsdp":
             raise ValueError("offload: FSDP2's CPU offload shards parameters to the host; set strategy fsdp")
-        for key in ("steps", "batch_size", "micro_batch_size", "log_every", "activation_checkpointing_every"):
+        if self.tensor_parallel > 1 and self.FROZEN_BASE:
+            raise ValueError("tensor_parallel: adapters on a frozen base train under ddp or fsdp; set it 1")
+        if self.tensor_parallel > 1:
+            for key, value, default in (
+                ("optimizer", self.optimizer, "adamw"),
+                ("offload", self.offload, False),
+                ("compile", self.compile, False),
+            ):
+                if value != default:
+                    raise ValueError(
+                        f"tensor_parallel: {self.tensor_parallel} is not supported with {key} {value}; set "
+                        f"{key} {default} or tensor_parallel 1"
+                    )
+        keys = ("steps", "batch_size", "micro_batch_size", "log_every", "activation_checkpointing_every")
+        for key in (*keys, "tensor_parallel"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         for key in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every"):
@@ -151,7 +169,14 @@ class TrainResult:
     """This process's optimizer states at the end (a shard of them under FSDP)."""
 
 
+def data_parallel(cfg: TrainConfig, rt: runtime.Runtime) -> tuple[int, int]:
+    """(rank, size) of this process among the data-parallel ones: the processes of a tensor-parallel group
+    (consecutive ranks) hold one model replica between them and read the same batches."""
+    return rt.rank // cfg.tensor_parallel, rt.world_size // cfg.tensor_parallel
+
+
 def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
+    """Micro-batches per optimizer step with `world_size` data-parallel processes."""
     per_step = cfg.micro_batch_size * world_size
     if cfg.batch_size % per_step:
         raise ValueError(
@@ -224,6 +249,18 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
     if not rt.distributed:
         return torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     reduce_dtype = REDUCE_DTYPES[cfg.reduce_dtype]
+    if cfg.tensor_parallel > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        problem = tensor_parallel_problem(model.config, cfg.tensor_parallel)
+        if problem:
+            raise config.UserError(f"train.tensor_parallel: {problem}; choose a degree that divides them")
+        dp_size = rt.world_size // cfg.tensor_parallel
+        mesh = init_device_mesh(rt.device.type, (dp_size, cfg.tensor_parallel), mesh_dim_names=("dp", "tp"))
+        tensor_parallelize(model, mesh["tp"])
+        if dp_size == 1:
+            return model
+        return shard(model, cfg, rt, mesh["dp"], reduce_dtype)
     if cfg.strategy == "ddp":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -236,9 +273,48 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
             model.register_comm_hook(None, hooks[reduce_dtype])
         return torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     from torch.distributed.device_mesh import init_device_mesh
+
+    return shard(model, cfg, rt, init_device_mesh(rt.device.type, (rt.world_size,)), reduce_dtype)
+
+
+def tensor_parallelize(model, mesh) -> None:
+    """Megatron-style tensor parallelism on every decoder layer (torch.distributed.tensor.parallel):
+    q/k/v and gate/up split by output features (column-wise: each rank computes its heads and its part of
+    the MLP width), o and down by input features (row-wise: the partial outputs are summed by one
+    all-reduce each). Embedding, norms and head stay whole on every rank; their gradients come out whole
+    too, since the inputs' gradients of the column-wise layers are summed over the ranks."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in decoder_layers(model):
+        parallelize_module(layer, mesh, plan)
+
+
+def tensor_parallel_problem(model_config, degree: int) -> str | None:
+    """Why a model cannot be split `degree` ways by tensor_parallelize, or None."""
+    c = model_config
+    for name, value in (
+        ("attention heads", c.num_attention_heads),
+        ("key/value heads", c.num_key_value_heads),
+        ("MLP width (intermediate_size)", c.intermediate_size),
+    ):
+        if value % degree:
+            return f"the model's {value} {name} are not divisible by tensor_parallel {degree}"
+    return None
+
+
+def shard(model, cfg: TrainConfig, rt: runtime.Runtime, mesh, reduce_dtype: torch.dtype):
+    """FSDP2 over `mesh`: fully_shard per decoder layer, then the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(rt.device.type, (rt.world_size,))
     kwargs = {"mesh": mesh}
     if cfg.offload:  # parameters, gradients and optimizer states live on the host between uses
         from torch.distributed.fsdp import CPUOffloadPolicy
@@ -265,7 +341,7 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
 def replicated_params(model, cfg: TrainConfig, rt: runtime.Runtime) -> list[torch.nn.Parameter]:
     """The trainable parameters no wrapper averages gradients of: those FSDP left whole (the adapters of
     a frozen base). Empty under DDP and FSDP of a whole model, and in one process."""
-    if not rt.distributed or cfg.strategy != "fsdp":
+    if not rt.distributed or cfg.strategy != "fsdp" or cfg.tensor_parallel > 1:
         return []
     from torch.distributed.tensor import DTensor
 
@@ -296,7 +372,7 @@ def make_grad_scaler(cfg: TrainConfig, rt: runtime.Runtime):
     Under FSDP the sharded scaler agrees on an overflow across ranks."""
     if cfg.compute_dtype(rt.device) != torch.float16:
         return None
-    if rt.distributed and cfg.strategy == "fsdp":
+    if rt.distributed and (cfg.strategy == "fsdp" or cfg.tensor_parallel > 1):  # DTensor gradients
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device=rt.device.type)
@@ -311,12 +387,37 @@ def make_optimizer(model, cfg: TrainConfig):
     if cfg.optimizer == "adamw":
         # The fused kernel (CPU and CUDA) is the fastest AdamW; it is also what transformers.Trainer uses.
         # Not beside FSDP's sharded gradient scaler (fp16): its overflow flag has the wrong shape for it.
+        # Under tensor parallel, the per-parameter kernel: the parameters are DTensors on two meshes beside
+        # plain tensors, which the multi-tensor kernels do not take in one list. (The groups stay the same
+        # in every layout, so a checkpoint's optimizer state loads under another.)
+        if cfg.tensor_parallel > 1:
+            return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, foreach=False)
         fused = not (cfg.precision == "fp16" and cfg.strategy == "fsdp")
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=fused)
     import bitsandbytes as bnb
 
     cls = bnb.optim.AdamW8bit if cfg.optimizer == "adamw8bit" else bnb.optim.PagedAdamW8bit
     return cls(groups, lr=cfg.lr, betas=betas)
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their global norm is at most `max_norm`; the norm before. For a model
+    whose parameters are DTensors on several meshes (tensor parallel) beside plain tensors, where
+    torch.nn.utils.clip_grad_norm_ would combine norms of different kinds: each gradient's norm is
+    computed whole (a DTensor's over its mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float32)
+    for g in grads:
+        norm = torch.linalg.vector_norm(g, dtype=torch.float32)
+        total += (norm.full_tensor() if isinstance(norm, DTensor) else norm).cpu() ** 2
+    total = total.sqrt()
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total
 
 
 def optimizer_state_bytes(optimizer) -> int:
@@ -374,9 +475,10 @@ def evaluate(model, windows, cfg: TrainConfig, rt: runtime.Runtime) -> float:
     every call); `windows` is a Windows or another batch source."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss sum, target count
+    dp_rank, dp_size = data_parallel(cfg, rt)
     for b in range(cfg.eval_batches):
-        for m in range(grad_accum_steps(cfg, rt.world_size)):
-            index = (m * rt.world_size + rt.rank) * cfg.micro_batch_size
+        for m in range(grad_accum_steps(cfg, dp_size)):
+            index = (m * dp_size + dp_rank) * cfg.micro_batch_size
             x, y = windows.batch(-1 - b, index, cfg.micro_batch_size)
             with autocast(cfg, rt):
                 loss = lm_loss(
@@ -386,7 +488,7 @@ def evaluate(model, windows, cfg: TrainConfig, rt: runtime.Runtime) -> float:
                 [loss.item(), float((y != IGNORE_INDEX).sum())], dtype=torch.float64, device=rt.device
             )
     model.train()
-    if rt.distributed:
+    if rt.distributed:  # (tensor-parallel ranks count their batches alike: the ratio is the same)
         torch.distributed.all_reduce(total)
     return (total[0] / total[1]).item()
 
@@ -409,7 +511,8 @@ def train(
     `batch(step, index, size) -> (inputs, targets)`. A stop signal ends it after the step with a
     checkpoint (`stopped`). Stages hold the folder's lock (stage.checkpoints) around it and their
     publishing, so no second run resumes from or writes into the same folder meanwhile."""
-    accum = grad_accum_steps(cfg, rt.world_size)
+    dp_rank, dp_size = data_parallel(cfg, rt)
+    accum = grad_accum_steps(cfg, dp_size)
     fpt = flops_per_token(model, context_length)
     model = wrap(model, cfg, rt)
     optimizer = make_optimizer(model, cfg)
@@ -441,17 +544,19 @@ def train(
             group["lr"] = lr
         loss_sum = torch.zeros((), device=rt.device)
         micro = [
-            train_w.batch(step, (m * rt.world_size + rt.rank) * cfg.micro_batch_size, cfg.micro_batch_size)
+            train_w.batch(step, (m * dp_size + dp_rank) * cfg.micro_batch_size, cfg.micro_batch_size)
             for m in range(accum)
         ]
-        # Each micro-batch's summed loss over the step's target count: the gradients, averaged over
-        # ranks by DDP/FSDP, are those of the mean loss per target token of the whole global batch.
+        # Each micro-batch's summed loss over the step's target count: the gradients, averaged over the
+        # data-parallel ranks by DDP/FSDP, are those of the mean loss per target token of the whole global
+        # batch. (The count is summed over all ranks: tensor-parallel ranks count the same batch, so
+        # world_size / count = data-parallel size / the batch's count.)
         scale = rt.world_size / global_target_count([y for _, y in micro], rt)
         for m, (x, y) in enumerate(micro):
             x, y = x.to(rt.device), y.to(rt.device)
             last = m == accum - 1
             # DDP: all-reduce gradients only on the last micro-batch of the step.
-            no_sync = rt.distributed and not last and cfg.strategy == "ddp"
+            no_sync = dp_size > 1 and not last and cfg.strategy == "ddp"
             with model.no_sync() if no_sync else contextlib.nullcontext(), autocast(cfg, rt):
                 loss = lm_loss(model, x, y, reduction="sum", compile_mode=cfg.loss_compile_mode) * scale.to(
                     torch.float32
@@ -461,7 +566,10 @@ def train(
         all_reduce_grads(replicated, REDUCE_DTYPES[cfg.reduce_dtype], rt)
         if scaler is not None:
             scaler.unscale_(optimizer)  # clip the true gradients
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if cfg.tensor_parallel > 1:
+            grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         if scaler is not None:
             scaler.step(optimizer)  # skipped when a gradient overflowed; the scale is halved then
             scaler.update()

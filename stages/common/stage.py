@@ -97,8 +97,20 @@ def exit_if_checking(args: argparse.Namespace, section: str, cfg) -> None:
 def check_train(where: str, train: loop.TrainConfig, rt: runtime.Runtime) -> None:
     """What a train section (at the dotted path `where`, e.g. pretrain.train) can only be checked against
     once the processes and the device are known; before any compute."""
+    tp = train.tensor_parallel
+    if rt.world_size % tp:
+        raise config.UserError(
+            f"params.yaml: {where}.tensor_parallel: {tp} does not divide the {rt.world_size} processes of this run; "
+            f"start a multiple of {tp} processes (torchrun --nproc-per-node) or change it"
+        )
+    if tp > 1 and train.strategy == "ddp" and rt.world_size > tp:
+        raise config.UserError(
+            f"params.yaml: {where}.tensor_parallel: {rt.world_size} processes = {rt.world_size // tp} data-parallel x "
+            f"{tp} tensor-parallel; the data dimension of this 2D layout is sharded by FSDP2, not replicated by DDP: "
+            f"set strategy fsdp (or run {tp} processes)"
+        )
     try:
-        loop.grad_accum_steps(train, rt.world_size)
+        loop.grad_accum_steps(train, rt.world_size // tp)
     except ValueError as e:
         raise config.UserError(f"params.yaml: {where}.{e}") from None
     if train.offload and not rt.distributed:
@@ -159,7 +171,10 @@ def checkpoints(section: str, cfg, digest: str, rt: runtime.Runtime, **key):
     """The checkpoint folder of these params and inputs (plus `key`, e.g. a variant name), held by this
     run while it trains into it and publishes: a second run of the same stage, params and inputs stops
     with a clear error instead of resuming from, or writing over, checkpoints in flight."""
-    folder = ckpt.checkpoint_dir(section, {**config.as_dict(cfg), **key}, digest)
+    params = config.as_dict(cfg)
+    if isinstance(params.get("train"), dict):  # a run may resume under another layout of its processes
+        params["train"] = {k: v for k, v in params["train"].items() if k not in loop.LAYOUT_KEYS}
+    folder = ckpt.checkpoint_dir(section, {**params, **key}, digest)
     with ckpt.exclusive(folder, rt):
         yield folder
 
