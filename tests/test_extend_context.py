@@ -7,6 +7,7 @@ import math
 import re
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from conftest import run_stage
@@ -243,6 +244,21 @@ def test_two_processes_write_every_variant_and_resume_exactly(tokenized, base_mo
     assert (tmp_path / "a/plots/finetune_loss.png").is_file()
     curves = sorted(p.name for p in (tmp_path / "a/plots/finetune_loss").iterdir())
     assert curves == ["linear-ft.csv", "unscaled-ft.csv"]
+
+
+def test_tensor_parallel_fine_tune_equals_one_process(tokenized, base_model, tmp_path):
+    """YaRN's fine-tune (scaled attention) split over 2 processes by tensor parallel: the losses of one."""
+    common = ["finetune=[yarn]", "train.steps=4", "train.checkpoint_every=0"]
+    for out, nproc, extra in (("one", 1, []), ("tp2", 2, ["train.tensor_parallel=2"])):
+        run_stage(
+            "extend_context", [*stage_args(tokenized, base_model, tmp_path / out), *common, *extra], tmp_path, nproc
+        )
+    curves = [
+        np.loadtxt(tmp_path / out / "plots/finetune_loss/yarn-ft.csv", delimiter=",", skiprows=1)[:, 1]
+        for out in ("one", "tp2")
+    ]
+    assert len(curves[0]) == 4
+    np.testing.assert_allclose(curves[1], curves[0], rtol=1e-4)
 
 
 def test_eval_reads_a_folder_of_variants(tokenized, base_model, tmp_path, monkeypatch):
