@@ -1,8 +1,11 @@
-"""Tensor parallel (TP 2) and its 2D composition with FSDP2 (2 x 2, 4 processes) train pretrain's model
-with the losses of one process; the published model gives the one-process logits; a TP run resumes
-bit-identically after SIGKILL, and a checkpoint moves between layouts: TP 2 -> FSDP 2 -> one process."""
+"""Tensor parallel (TP 2), pipeline parallel (PP 2, GPipe and 1F1B) and 2D FSDP2 x TP (2 x 2, 4 processes)
+train pretrain's model with the losses of one process; the published model gives the one-process logits;
+TP and PP runs resume bit-identically after SIGKILL, and a checkpoint moves between layouts:
+TP 2 -> PP 2 -> one process. Errors for layouts the model or the batch cannot take."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -21,72 +24,107 @@ def max_relative_difference(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b)) / np.abs(np.asarray(b))))
 
 
-def test_tensor_parallel_and_2d_train_like_one_process(tokenized, monkeypatch):
+def kill(tokenized, out, nproc, args, kill_at, resume_from, ckpts):
+    """Run with a SIGKILL while the step-`kill_at` checkpoint is written; the one before is kept."""
+    env = {"PIPELINE_CHECKPOINTS": str(tokenized / ckpts)}
+    proc = run(tokenized, out, nproc, *args, check=False, PIPELINE_FAULT_IN_CHECKPOINT=str(kill_at), **env)
+    assert proc.returncode != 0 and not (tokenized / out).exists()
+    if resume_from:
+        assert "resuming from" in proc.stdout + proc.stderr and f"(step {resume_from})" in proc.stdout + proc.stderr
+    assert f"step-{kill_at - 2}" in [p.name for p in (tokenized / ckpts).glob("pretrain/*/step-*")]
+
+
+def resume(tokenized, out, nproc, args, resume_from, ckpts):
+    proc = run(tokenized, out, nproc, *args, PIPELINE_CHECKPOINTS=str(tokenized / ckpts))
+    assert "resuming from" in proc.stdout + proc.stderr and f"(step {resume_from})" in proc.stdout + proc.stderr
+    return loss_curve(tokenized, out)
+
+
+def test_layouts_train_like_one_process_resume_exactly_and_checkpoints_move_between_them(tokenized, monkeypatch):
     monkeypatch.chdir(tokenized)
+    every = ["train.checkpoint_every=2"]
+    layouts = {
+        "tp2": (2, [*every, "train.tensor_parallel=2"]),
+        "pp2": (2, [*every, "train.pipeline_parallel=2", "train.pipeline_schedule=gpipe"]),
+        "fsdp2-tp2": (4, [*every, "train.strategy=fsdp", "train.tensor_parallel=2"]),
+    }
     single = pretrain.main(["--input", "data/tokenize", "--output", "par-one", *TINY])
-    run(tokenized, "par-tp2", 2, "train.tensor_parallel=2")
-    run(tokenized, "par-fsdp2-tp2", 4, "train.strategy=fsdp", "train.tensor_parallel=2")
     ref = np.array(single["history"]["loss"])
     ids = torch.from_numpy(
         np.fromfile(tokenized / "data/tokenize/val_0000.bin", dtype=np.uint16)[:64].astype(np.int64)
     )[None]
     want = logits(tokenized / "par-one/model", ids)
-    for out in ("par-tp2", "par-fsdp2-tp2"):
-        losses = loss_curve(tokenized, out)
-        print(f"{out}: largest relative loss difference from one process {max_relative_difference(losses, ref):.2e}")
-        np.testing.assert_allclose(losses, ref, rtol=RTOL)
+    curves = {}
+    for name, (nproc, args) in layouts.items():
+        run(tokenized, f"par-{name}", nproc, *args)
+        curves[name] = loss_curve(tokenized, f"par-{name}")
+        difference = max_relative_difference(curves[name], ref)
+        print(f"{name}: largest relative loss difference from one process {difference:.2e}")
+        np.testing.assert_allclose(curves[name], ref, rtol=RTOL)
         # The published Hugging Face model is whole (gathered from the shards) and loads in transformers.
-        torch.testing.assert_close(logits(tokenized / f"{out}/model", ids), want, rtol=1e-4, atol=1e-5)
-
-
-def test_tensor_parallel_resumes_exactly_and_checkpoints_move_between_layouts(tokenized):
-    every = ["train.checkpoint_every=2"]
-    tp2 = [*every, "train.tensor_parallel=2"]
-    run(tokenized, "par-whole", 2, *tp2)
-    whole = loss_curve(tokenized, "par-whole")
-    # Same layout: SIGKILL while the step-6 checkpoint is written; the re-run resumes from step 4.
-    env = {"PIPELINE_CHECKPOINTS": str(tokenized / "ckpts-par-same")}
-    assert run(tokenized, "par-same", 2, *tp2, check=False, PIPELINE_FAULT_IN_CHECKPOINT="6", **env).returncode
-    proc = run(tokenized, "par-same", 2, *tp2, **env)
-    assert "resuming from" in proc.stdout + proc.stderr and "step 4" in proc.stdout + proc.stderr
-    np.testing.assert_array_equal(loss_curve(tokenized, "par-same"), whole)
-    # Across layouts: TP 2 dies at step 4 (step 2 kept), FSDP 2 resumes it and dies at step 6 (step 4
-    # kept), one process resumes that and finishes. The checkpoint folder is the same for every layout.
-    env = {"PIPELINE_CHECKPOINTS": str(tokenized / "ckpts-par-moves")}
-    assert run(tokenized, "par-moves", 2, *tp2, check=False, PIPELINE_FAULT_IN_CHECKPOINT="4", **env).returncode
-    fsdp = [*every, "train.strategy=fsdp"]
-    proc = run(tokenized, "par-moves", 2, *fsdp, check=False, PIPELINE_FAULT_IN_CHECKPOINT="6", **env)
-    assert proc.returncode and "resuming from" in proc.stdout + proc.stderr and "step 2" in proc.stdout + proc.stderr
-    assert "step-4" in [p.name for p in (tokenized / "ckpts-par-moves").glob("pretrain/*/step-*")]
-    proc = run(tokenized, "par-moves", 1, *every, **env)
-    assert "resuming from" in proc.stdout + proc.stderr and "step 4" in proc.stdout + proc.stderr
-    moved = loss_curve(tokenized, "par-moves")
-    difference = max_relative_difference(moved, whole)
-    print(f"TP 2 -> FSDP 2 -> one process: largest relative loss difference from TP 2 uninterrupted {difference:.2e}")
-    np.testing.assert_allclose(moved, whole, rtol=RTOL)
+        torch.testing.assert_close(logits(tokenized / f"par-{name}/model", ids), want, rtol=1e-4, atol=1e-5)
+    # Same layout: killed while the step-6 checkpoint is written; the re-run resumes from step 4.
+    for name in ("tp2", "pp2"):
+        nproc, args = layouts[name]
+        kill(tokenized, f"par-same-{name}", nproc, args, 6, None, f"ckpts-par-{name}")
+        resumed = resume(tokenized, f"par-same-{name}", nproc, args, 4, f"ckpts-par-{name}")
+        np.testing.assert_array_equal(resumed, curves[name])
+    # Across layouts, one checkpoint folder for all of them: TP 2 dies at step 4 (step 2 kept), PP 2
+    # (1F1B) resumes it and dies at step 6 (step 4 kept), one process resumes that and finishes.
+    kill(tokenized, "par-moves", 2, layouts["tp2"][1], 4, None, "ckpts-par-moves")
+    kill(tokenized, "par-moves", 2, [*every, "train.pipeline_parallel=2"], 6, 2, "ckpts-par-moves")
+    moved = resume(tokenized, "par-moves", 1, every, 4, "ckpts-par-moves")
+    difference = max_relative_difference(moved, ref)
+    print(f"TP 2 -> PP 2 -> one process: largest relative loss difference from one process {difference:.2e}")
+    np.testing.assert_allclose(moved, ref, rtol=RTOL)
 
 
 @pytest.mark.parametrize(
-    "nproc, override, message",
+    "override, message",
     [
-        (1, ["train.tensor_parallel=2"], "tensor_parallel: 2 does not divide the 1 processes of this run"),
+        (["train.tensor_parallel=2"], "tensor_parallel: 2 does not divide the 1 processes of this run"),
+        (["train.pipeline_parallel=2"], "pipeline_parallel: 2 stages on 1 processes; data parallel beside"),
+        (["train.tensor_parallel=2", "train.optimizer=adamw8bit"], "not supported with optimizer adamw8bit"),
+        (["train.pipeline_parallel=2", "train.precision=fp16"], "not supported with precision fp16"),
+        (["train.pipeline_schedule=zero_bubble"], "unknown schedule 'zero_bubble'; valid: gpipe, 1f1b"),
         (
-            1,
-            ["train.tensor_parallel=2", "train.optimizer=adamw8bit"],
-            "tensor_parallel: 2 is not supported with optimizer adamw8bit",
+            ["train.tensor_parallel=2", "train.pipeline_parallel=2"],
+            "pipeline stages split by tensor parallel \\(3D\\) are not supported",
         ),
     ],
 )
-def test_bad_layouts_fail_before_training(tokenized, monkeypatch, nproc, override, message):
+def test_bad_layouts_fail_before_training(tokenized, monkeypatch, override, message):
     monkeypatch.chdir(tokenized)
     with pytest.raises(config.UserError, match=message):
         pretrain.main(["--input", "data/tokenize", "--output", "bad", *TINY, *override])
     assert not (tokenized / "bad").exists()
 
 
-def test_heads_not_divisible_by_the_degree_fail_before_training(tokenized):
-    # 4 heads, 2 key/value heads: 4-way tensor parallel cannot split the key/value heads.
-    proc = run(tokenized, "bad-tp4", 4, "train.tensor_parallel=4", "train.micro_batch_size=8", check=False)
-    assert proc.returncode != 0
-    assert "the model's 2 key/value heads are not divisible by tensor_parallel 4" in proc.stdout + proc.stderr
-    assert not (tokenized / "bad-tp4").exists()
+def test_layout_checks_name_what_does_not_divide():
+    from types import SimpleNamespace
+
+    from stages.common import loop, pipeline
+
+    c = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    assert loop.tensor_parallel_problem(c, 2) is None
+    assert "2 key/value heads are not divisible by tensor_parallel 4" in loop.tensor_parallel_problem(c, 4)
+    c = SimpleNamespace(num_attention_heads=6, num_key_value_heads=3, intermediate_size=128)
+    assert "128 MLP width (intermediate_size) are not divisible" in loop.tensor_parallel_problem(c, 3)
+    assert pipeline.layout_problem(4, 2, 2) is None
+    assert "3 decoder layers are not divisible by pipeline_parallel 2" in pipeline.layout_problem(3, 2, 2)
+    assert "1 micro-batches per pipeline" in pipeline.layout_problem(4, 2, 1)
+    assert [list(pipeline.stage_layers(4, 2, s)) for s in (0, 1)] == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["train.tensor_parallel=2", "model.n_kv_heads=1"], "1 key/value heads are not divisible by tensor_parallel 2"),
+        (["train.pipeline_parallel=2", "train.batch_size=2"], "1 micro-batches per pipeline .* fewer than its 2"),
+    ],
+    ids=["tp-heads", "pp-micro-batches"],
+)
+def test_layouts_the_model_or_batch_cannot_take_fail_before_training(tokenized, override, message):
+    proc = run(tokenized, "bad-layout", 2, *override, check=False)
+    assert proc.returncode != 0 and re.search(message, proc.stdout + proc.stderr), proc.stderr[-2000:]
+    assert not (tokenized / "bad-layout").exists()

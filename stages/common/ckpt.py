@@ -252,7 +252,9 @@ def state_dicts(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
     (quantized bases also put packing statistics in the state dict; those are left out too)."""
     trainable = {_fqn(n) for n, p in model.named_parameters() if p.requires_grad}
     frozen = any(not p.requires_grad for p in model.parameters())
-    options = StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else StateDictOptions()
+    # The optimizer state flattened to one entry per parameter name (its moments and its group's settings),
+    # so that it loads under another layout: other processes, other pipeline stages.
+    options = StateDictOptions(ignore_frozen_params=frozen, strict=not frozen, flatten_optimizer_state_dict=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     if frozen:
         model_sd = {k: v for k, v in model_sd.items() if k in trainable}
@@ -317,6 +319,10 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
 def full_state_dict(model, rt: runtime.Runtime, trainable_only: bool = False) -> dict:
     """The whole model's state on CPU, on rank 0 (gathered from FSDP shards or taken from DDP);
     with `trainable_only`, just the trainable parameters (the adapters of a frozen base)."""
+    from stages.common import pipeline
+
+    if getattr(model, pipeline.PART, False):  # one pipeline stage's part on each rank
+        return pipeline.full_state_dict(model, rt)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
     sd = get_model_state_dict(model, options=options)
     if trainable_only:

@@ -30,7 +30,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from stages.common import ckpt, config, runtime, shards
+from stages.common import ckpt, config, pipeline, runtime, shards
 
 STRATEGIES = ("ddp", "fsdp")
 # AdamW in fp32, or bitsandbytes' 8-bit AdamW (block-wise quantized moments: 2 bytes per parameter
@@ -48,7 +48,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # exactly as the one-process run does; bf16 and fp16 halve the bytes sent.
 # How the processes share the model, not what it computes: a checkpoint saved under one layout resumes
 # under another (DCP reshards on load), so these keys are not part of the checkpoint folder's key.
-LAYOUT_KEYS = ("strategy", "tensor_parallel", "offload")
+LAYOUT_KEYS = ("strategy", "tensor_parallel", "pipeline_parallel", "pipeline_schedule", "offload")
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -86,6 +86,8 @@ class TrainConfig:
     offload: bool = False
     reduce_dtype: str = "fp32"
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -113,21 +115,28 @@ class TrainConfig:
             )
         if self.offload and self.strategy != "fsdp":
             raise ValueError("offload: FSDP2's CPU offload shards parameters to the host; set strategy fsdp")
-        if self.tensor_parallel > 1 and self.FROZEN_BASE:
-            raise ValueError("tensor_parallel: adapters on a frozen base train under ddp or fsdp; set it 1")
-        if self.tensor_parallel > 1:
-            for key, value, default in (
-                ("optimizer", self.optimizer, "adamw"),
-                ("offload", self.offload, False),
-                ("compile", self.compile, False),
-            ):
+        if self.pipeline_schedule not in pipeline.SCHEDULES:
+            valid = ", ".join(pipeline.SCHEDULES)
+            raise ValueError(f"pipeline_schedule: unknown schedule {self.pipeline_schedule!r}; valid: {valid}")
+        for key in ("tensor_parallel", "pipeline_parallel"):
+            degree = getattr(self, key)
+            if degree > 1 and self.FROZEN_BASE:
+                raise ValueError(f"{key}: adapters on a frozen base train under ddp or fsdp; set it 1")
+            unsupported = [("offload", self.offload, False), ("compile", self.compile, False)]
+            unsupported += [("optimizer", self.optimizer, "adamw")] if key == "tensor_parallel" else []
+            unsupported += [("precision", self.precision, "auto")] if key == "pipeline_parallel" else []
+            for name, value, default in unsupported if degree > 1 else []:
                 if value != default:
                     raise ValueError(
-                        f"tensor_parallel: {self.tensor_parallel} is not supported with {key} {value}; set "
-                        f"{key} {default} or tensor_parallel 1"
+                        f"{key}: {degree} is not supported with {name} {value}; set {name} {default} or {key} 1"
                     )
+        if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
+            raise ValueError(
+                "pipeline_parallel: pipeline stages split by tensor parallel (3D) are not supported; set "
+                "tensor_parallel or pipeline_parallel to 1"
+            )
         keys = ("steps", "batch_size", "micro_batch_size", "log_every", "activation_checkpointing_every")
-        for key in (*keys, "tensor_parallel"):
+        for key in (*keys, "tensor_parallel", "pipeline_parallel"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         for key in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every"):
@@ -170,9 +179,11 @@ class TrainResult:
 
 
 def data_parallel(cfg: TrainConfig, rt: runtime.Runtime) -> tuple[int, int]:
-    """(rank, size) of this process among the data-parallel ones: the processes of a tensor-parallel group
-    (consecutive ranks) hold one model replica between them and read the same batches."""
-    return rt.rank // cfg.tensor_parallel, rt.world_size // cfg.tensor_parallel
+    """(rank, size) of this process among the data-parallel ones. The processes of a tensor-parallel group
+    (consecutive ranks), or of a pipeline, hold one model replica between them and read the same batches
+    (mesh order: pipeline, data, tensor)."""
+    size = rt.world_size // (cfg.tensor_parallel * cfg.pipeline_parallel)
+    return rt.rank // cfg.tensor_parallel % size, size
 
 
 def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
@@ -231,6 +242,13 @@ def enable_activation_checkpointing(model, every_n_layers: int = 1) -> None:
     enable(every_n_layers=every_n_layers)
 
 
+def checkpoint_activations(model, cfg: TrainConfig) -> None:
+    """The train section's activation checkpointing policy, on the model's decoder layers."""
+    if cfg.activation_checkpointing != "none":
+        every = cfg.activation_checkpointing_every if cfg.activation_checkpointing == "selective" else 1
+        enable_activation_checkpointing(model, every)
+
+
 def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
     """Put the model on the device and under DDP or FSDP2 (one process: unwrapped).
 
@@ -243,9 +261,7 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
     # (with offload the parameters stay on the host: fully_shard places the shards)
     if not cfg.offload and any(p.device != rt.device for p in model.parameters()):
         model.to(rt.device)  # quantized models are loaded onto their device already
-    if cfg.activation_checkpointing != "none":
-        every = cfg.activation_checkpointing_every if cfg.activation_checkpointing == "selective" else 1
-        enable_activation_checkpointing(model, every)
+    checkpoint_activations(model, cfg)
     if not rt.distributed:
         return torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     reduce_dtype = REDUCE_DTYPES[cfg.reduce_dtype]
@@ -341,7 +357,7 @@ def shard(model, cfg: TrainConfig, rt: runtime.Runtime, mesh, reduce_dtype: torc
 def replicated_params(model, cfg: TrainConfig, rt: runtime.Runtime) -> list[torch.nn.Parameter]:
     """The trainable parameters no wrapper averages gradients of: those FSDP left whole (the adapters of
     a frozen base). Empty under DDP and FSDP of a whole model, and in one process."""
-    if not rt.distributed or cfg.strategy != "fsdp" or cfg.tensor_parallel > 1:
+    if not rt.distributed or cfg.strategy != "fsdp" or cfg.tensor_parallel * cfg.pipeline_parallel > 1:
         return []
     from torch.distributed.tensor import DTensor
 
@@ -400,11 +416,12 @@ def make_optimizer(model, cfg: TrainConfig):
     return cls(groups, lr=cfg.lr, betas=betas)
 
 
-def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float, over_ranks: bool = False) -> torch.Tensor:
     """Scale the gradients so that their global norm is at most `max_norm`; the norm before. For a model
     whose parameters are DTensors on several meshes (tensor parallel) beside plain tensors, where
     torch.nn.utils.clip_grad_norm_ would combine norms of different kinds: each gradient's norm is
-    computed whole (a DTensor's over its mesh)."""
+    computed whole (a DTensor's over its mesh). `over_ranks`: each process holds other parameters
+    (pipeline stages); their squared norms are summed over all processes."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
@@ -412,6 +429,8 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     for g in grads:
         norm = torch.linalg.vector_norm(g, dtype=torch.float32)
         total += (norm.full_tensor() if isinstance(norm, DTensor) else norm).cpu() ** 2
+    if over_ranks:
+        torch.distributed.all_reduce(total)
     total = total.sqrt()
     coef = min(1.0, max_norm / (float(total) + 1e-6))
     if coef < 1.0:
@@ -470,14 +489,23 @@ def autocast(cfg: TrainConfig, rt: runtime.Runtime):
 
 
 @torch.no_grad()
-def evaluate(model, windows, cfg: TrainConfig, rt: runtime.Runtime) -> float:
+def evaluate(model, windows, cfg: TrainConfig, rt: runtime.Runtime, pipe: pipeline.Pipeline | None = None) -> float:
     """Mean loss per target token over `eval_batches` global batches of fixed validation windows (same
-    every call); `windows` is a Windows or another batch source."""
+    every call); `windows` is a Windows or another batch source. `pipe`: the model's pipeline stages."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss sum, target count
     dp_rank, dp_size = data_parallel(cfg, rt)
+    accum = grad_accum_steps(cfg, dp_size)
     for b in range(cfg.eval_batches):
-        for m in range(grad_accum_steps(cfg, dp_size)):
+        if pipe is not None:  # the step's micro-batches through the pipeline; the last stage has the loss
+            micro = [windows.batch(-1 - b, m * cfg.micro_batch_size, cfg.micro_batch_size) for m in range(accum)]
+            x, y = torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
+            with autocast(cfg, rt):
+                loss = pipe.run(x.to(rt.device), y.to(rt.device), 1.0, train=False)
+            count = float((y != IGNORE_INDEX).sum()) if pipe.last else 0.0
+            total += torch.tensor([loss.item(), count], dtype=torch.float64, device=rt.device)
+            continue
+        for m in range(accum):
             index = (m * dp_size + dp_rank) * cfg.micro_batch_size
             x, y = windows.batch(-1 - b, index, cfg.micro_batch_size)
             with autocast(cfg, rt):
@@ -514,7 +542,17 @@ def train(
     dp_rank, dp_size = data_parallel(cfg, rt)
     accum = grad_accum_steps(cfg, dp_size)
     fpt = flops_per_token(model, context_length)
-    model = wrap(model, cfg, rt)
+    pipe = None
+    if cfg.pipeline_parallel > 1:
+        problem = pipeline.layout_problem(model.config.num_hidden_layers, cfg.pipeline_parallel, accum)
+        if problem:
+            raise config.UserError(f"train.pipeline_parallel: {problem}")
+        model.to(rt.device)
+        checkpoint_activations(model, cfg)
+        pipe = pipeline.Pipeline(model, cfg.pipeline_parallel, cfg.pipeline_schedule, accum, rt)
+        model = pipe.model  # this stage's part
+    else:
+        model = wrap(model, cfg, rt)
     optimizer = make_optimizer(model, cfg)
     replicated = replicated_params(model, cfg, rt)
     scaler = make_grad_scaler(cfg, rt)
@@ -552,6 +590,11 @@ def train(
         # batch. (The count is summed over all ranks: tensor-parallel ranks count the same batch, so
         # world_size / count = data-parallel size / the batch's count.)
         scale = rt.world_size / global_target_count([y for _, y in micro], rt)
+        if pipe is not None:  # the micro-batches in order through the stages (GPipe or 1F1B)
+            x, y = torch.cat([x for x, _ in micro]).to(rt.device), torch.cat([y for _, y in micro]).to(rt.device)
+            with autocast(cfg, rt):
+                loss_sum += pipe.run(x, y, scale.to(torch.float32))
+            micro = []
         for m, (x, y) in enumerate(micro):
             x, y = x.to(rt.device), y.to(rt.device)
             last = m == accum - 1
@@ -566,8 +609,8 @@ def train(
         all_reduce_grads(replicated, REDUCE_DTYPES[cfg.reduce_dtype], rt)
         if scaler is not None:
             scaler.unscale_(optimizer)  # clip the true gradients
-        if cfg.tensor_parallel > 1:
-            grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip)
+        if cfg.tensor_parallel > 1 or pipe is not None:
+            grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip, over_ranks=pipe is not None)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         if scaler is not None:
@@ -578,7 +621,7 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         if rt.distributed:
             torch.distributed.all_reduce(loss_sum)
-            loss_sum /= rt.world_size
+            loss_sum /= rt.world_size // cfg.pipeline_parallel  # (the last stage holds a pipeline's loss)
         loss_value = loss_sum.item()
         step_times.append(time.perf_counter() - t0)
         history["step"].append(step + 1)
@@ -600,7 +643,7 @@ def train(
         if done % cfg.log_every == 0 or done == cfg.steps:
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tps:,.0f}")
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-            metrics["val_loss"] = evaluate(model, val_w, cfg, rt)
+            metrics["val_loss"] = evaluate(model, val_w, cfg, rt, pipe)
             history["val_step"].append(done)
             history["val_loss"].append(metrics["val_loss"])
         tracker.log_metrics(metrics, step=done)

@@ -97,7 +97,13 @@ def exit_if_checking(args: argparse.Namespace, section: str, cfg) -> None:
 def check_train(where: str, train: loop.TrainConfig, rt: runtime.Runtime) -> None:
     """What a train section (at the dotted path `where`, e.g. pretrain.train) can only be checked against
     once the processes and the device are known; before any compute."""
-    tp = train.tensor_parallel
+    tp, pp = train.tensor_parallel, train.pipeline_parallel
+    if pp > 1 and rt.world_size != pp:
+        raise config.UserError(
+            f"params.yaml: {where}.pipeline_parallel: {pp} stages on {rt.world_size} processes; data parallel "
+            f"beside pipeline stages is not supported: run {pp} processes (torchrun --nproc-per-node {pp}) or set "
+            f"pipeline_parallel to the number of processes"
+        )
     if rt.world_size % tp:
         raise config.UserError(
             f"params.yaml: {where}.tensor_parallel: {tp} does not divide the {rt.world_size} processes of this run; "
@@ -110,7 +116,7 @@ def check_train(where: str, train: loop.TrainConfig, rt: runtime.Runtime) -> Non
             f"set strategy fsdp (or run {tp} processes)"
         )
     try:
-        loop.grad_accum_steps(train, rt.world_size // tp)
+        loop.grad_accum_steps(train, rt.world_size // (tp * pp))
     except ValueError as e:
         raise config.UserError(f"params.yaml: {where}.{e}") from None
     if train.offload and not rt.distributed:

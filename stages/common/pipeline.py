@@ -1,0 +1,126 @@
+"""Pipeline parallelism: a causal LM split by decoder layers into one stage per process, run by a
+torch.distributed.pipelining schedule (GPipe or 1F1B) over the step's micro-batches.
+
+Each process keeps its part of the transformers model itself, with the other parts removed (the
+embedding on the first stage, the final norm and head on the last, its run of decoder layers under
+their own indices), so parameter names are the whole model's: checkpoints (DCP) load under any other
+layout, and the published model is the parts gathered on rank 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stages.common import runtime
+
+SCHEDULES = ("gpipe", "1f1b")
+# Marks a model that is one pipeline stage's part of the whole (see full_state_dict).
+PART = "pipeline_part"
+
+
+def stage_layers(n_layers: int, stages: int, stage: int) -> range:
+    """The decoder layers of `stage`: an equal run of consecutive layers per stage."""
+    per = n_layers // stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def layout_problem(n_layers: int, stages: int, micro_batches: int) -> str | None:
+    """Why a model and step cannot be pipelined over `stages` stages, or None."""
+    if n_layers % stages:
+        return f"the model's {n_layers} decoder layers are not divisible by pipeline_parallel {stages}"
+    if micro_batches < stages:
+        return (
+            f"a step has {micro_batches} micro-batches per pipeline (batch_size / (micro_batch_size x "
+            f"data-parallel processes)), fewer than its {stages} stages: the pipeline would idle; raise "
+            f"batch_size or lower micro_batch_size"
+        )
+    return None
+
+
+def keep_part(model, stage: int, stages: int) -> None:
+    """Remove from `model` (in place) what `stage` does not run."""
+    inner = model.model
+    own = stage_layers(len(inner.layers), stages, stage)
+    for name in list(inner.layers._modules):
+        if int(name) not in own:
+            del inner.layers._modules[name]  # the kept layers keep their indices (names)
+    if stage > 0:
+        inner.embed_tokens = None
+    if stage < stages - 1:
+        inner.norm = None
+        model.lm_head = None
+    setattr(model, PART, True)
+
+
+class StageModule(torch.nn.Module):
+    """One stage's forward: token ids (first stage) or hidden states in, hidden states or logits (last) out;
+    the layers run as in transformers' LlamaModel (rotary embeddings and causal mask from the positions)."""
+
+    def __init__(self, model, first: bool, last: bool):
+        super().__init__()
+        self.lm, self.first, self.last = model, first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        inner = self.lm.model
+        hidden = inner.embed_tokens(x) if self.first else x
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=inner.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=positions
+        )
+        rotary = inner.rotary_emb(hidden, position_ids=positions)
+        for layer in inner.layers:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+        if self.last:
+            hidden = self.lm.lm_head(inner.norm(hidden))
+        return hidden
+
+
+class Pipeline:
+    """This process's stage of the model and the schedule that runs a step's micro-batches through all
+    stages. The losses are the loop's (summed cross-entropy times the step's scale), so the gradients
+    are those of the one-process run; the schedule does not rescale them."""
+
+    def __init__(self, model, stages: int, schedule: str, micro_batches: int, rt: runtime.Runtime):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.stage = rt.rank % stages  # (one pipeline: every process is one stage)
+        self.first, self.last = self.stage == 0, self.stage == stages - 1
+        keep_part(model, self.stage, stages)
+        self.model = model
+        self.scale = 1.0
+        self.device = rt.device
+        module = StageModule(model, self.first, self.last)
+        pipe_stage = PipelineStage(module, self.stage, stages, rt.device)
+        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        self.schedule = kind(pipe_stage, micro_batches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from stages.common.loop import cross_entropy
+
+        return cross_entropy(logits, y, reduction="sum") * self.scale
+
+    def run(self, x: torch.Tensor, y: torch.Tensor, scale: float, train: bool = True) -> torch.Tensor:
+        """Run a batch (its rows: the micro-batches in order) through the pipeline; the summed loss times
+        `scale` on the last stage, zero elsewhere. `train`: forward and backward (gradients accumulate)."""
+        self.scale = scale
+        losses = []
+        args = (x,) if self.first else ()
+        target = y if self.last else None
+        if train:
+            self.schedule.step(*args, target=target, losses=losses)
+        else:
+            with torch.no_grad():
+                self.schedule.eval(*args, target=target, losses=losses)
+        if not self.last:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum()
+
+
+def full_state_dict(model, rt: runtime.Runtime) -> dict:
+    """The whole model's state on rank 0, gathered from the stages' parts (CPU tensors)."""
+    part = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    parts = [None] * rt.world_size if rt.is_main else None
+    torch.distributed.gather_object(part, parts, dst=0)
+    return {k: v for p in parts for k, v in p.items()} if rt.is_main else {}
