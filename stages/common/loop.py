@@ -122,13 +122,16 @@ class TrainConfig:
             degree = getattr(self, key)
             if degree > 1 and self.FROZEN_BASE:
                 raise ValueError(f"{key}: adapters on a frozen base train under ddp or fsdp; set it 1")
-            unsupported = [("offload", self.offload, False), ("compile", self.compile, False)]
-            unsupported += [("optimizer", self.optimizer, "adamw")] if key == "tensor_parallel" else []
-            unsupported += [("precision", self.precision, "auto")] if key == "pipeline_parallel" else []
-            for name, value, default in unsupported if degree > 1 else []:
-                if value != default:
+            unsupported = {"offload": self.offload, "compile": self.compile}  # (name: set)
+            if key == "tensor_parallel":  # bitsandbytes steps whole tensors, not DTensor shards
+                unsupported["optimizer"] = self.optimizer != "adamw"
+            else:  # fp16's gradient scaler is not wired into the pipeline schedule
+                unsupported["precision"] = self.precision == "fp16"
+            for name, on in unsupported.items():
+                if degree > 1 and on:
                     raise ValueError(
-                        f"{key}: {degree} is not supported with {name} {value}; set {name} {default} or {key} 1"
+                        f"{key}: {degree} is not supported with {name} {getattr(self, name)}; change {name} or "
+                        f"set {key} 1"
                     )
         if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
             raise ValueError(
