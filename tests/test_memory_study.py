@@ -37,6 +37,7 @@ def test_every_technique_is_measured_and_the_rows_follow_the_table(tokenized, tm
     assert set(table) == {(n, c) for n in TECHNIQUES for c in (64, 256)}
     for run in table.values():
         assert run["peak_mb"] > 0 and run["activation_mb"] >= 0 and run["tokens_per_s"] > 0
+        assert run["tokens_per_cpu_s"] > 0
     base, eight = table["baseline", 256], table["adamw8bit", 256]
     # 2 bytes of moments per parameter instead of 8, plus per-tensor scales and code tables (see test_pretrain)
     assert eight["optimizer_state_mb"] <= 0.35 * base["optimizer_state_mb"]
@@ -57,6 +58,10 @@ def test_every_technique_is_measured_and_the_rows_follow_the_table(tokenized, tm
         "selective activation checkpointing",
     ]
     assert results[0]["ours"] == round(eight["optimizer_state_mb"] / base["optimizer_state_mb"], 4)
+    # speed on a CPU: tokens per second of the process's CPU time, which other jobs on the machine hardly move
+    assert "tokens per CPU second" in results[4]["result"]
+    cpu = [table[n, 256]["tokens_per_cpu_s"] for n in ("baseline", "ac_full", "ac_selective")]
+    assert results[4]["ours"] == round((cpu[0] - cpu[2]) / (cpu[0] - cpu[1]), 4)
     metrics = json.loads((folder / "figures.json").read_text())
     assert metrics["context"] == 256 and set(metrics["techniques"]) == set(TECHNIQUES)
     headline = json.loads((folder / "metrics.json").read_text())

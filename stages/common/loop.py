@@ -179,6 +179,9 @@ class TrainResult:
     mfu: float
     optimizer_state_bytes: int = 0
     """This process's optimizer states at the end (a shard of them under FSDP)."""
+    tokens_per_cpu_s: float = 0.0
+    """Tokens per second of this process's CPU time (all its threads), from the median step, the first left
+    out: what a step costs in compute on a CPU, which other jobs sharing the machine hardly move."""
 
 
 def data_parallel(cfg: TrainConfig, rt: runtime.Runtime) -> tuple[int, int]:
@@ -578,8 +581,9 @@ def train(
     stopped = False
     bar = runtime.progress(total=cfg.steps, initial=start, desc="train", rt=rt)
     step_times = []  # seconds of each step's forward/backward/update (validation and saving excluded)
+    step_cpu_times = []  # the same steps' CPU seconds of this process
     for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -627,6 +631,7 @@ def train(
             loss_sum /= rt.world_size // cfg.pipeline_parallel  # (the last stage holds a pipeline's loss)
         loss_value = loss_sum.item()
         step_times.append(time.perf_counter() - t0)
+        step_cpu_times.append(time.process_time() - cpu0)
         history["step"].append(step + 1)
         history["loss"].append(loss_value)
         history["lr"].append(lr)
@@ -664,8 +669,9 @@ def train(
     bar.close()
     # Throughput from the median step time of this run, the first step (warm-up, allocation) left out
     # when there are others: the median is not moved by a few steps slowed by other jobs on the machine.
-    timed = step_times[1:] or step_times
+    timed, cpu_timed = step_times[1:] or step_times, step_cpu_times[1:] or step_cpu_times
     tps = tokens_per_step / max(float(np.median(timed)), 1e-9) if timed else 0.0
+    cpu_tps = tokens_per_step / max(float(np.median(cpu_timed)), 1e-9) if cpu_timed else 0.0
     return TrainResult(
         history=history,
         model=model,
@@ -675,6 +681,7 @@ def train(
         tokens_per_s=tps,
         mfu=fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12),
         optimizer_state_bytes=optimizer_state_bytes(optimizer),
+        tokens_per_cpu_s=cpu_tps,
     )
 
 
