@@ -12,7 +12,7 @@ bytes). Then, each in its own processes with MLflow tracking off:
   pretrain       torchrun, 2 processes: a few steps of a small Llama, windows read through memory maps
 and prints, per stage: wall time, MB/s of corpus (tokens/s for pretrain) and the peak resident memory of
 each of its processes (VmHWM, read from /proc while it runs; goal <= 1.5 GB per process). `--json`
-prints the figures as one JSON object. tests/test_data_scale.py runs the same path on two small corpora
+prints the figures as one JSON object. tests/system/test_data_scale.py runs the same path on two small corpora
 and checks that peak memory does not grow with the corpus.
 """
 
