@@ -108,7 +108,7 @@ HOW: dict[str, tuple[str, str]] = {
     'python -m pytest tests --ignore=tests/system -m "not e2e"': ("marked", "the test suite itself"),
     "make bench": ("marked", "long: the benchmarks (minutes each)"),
     "bench/gpu_check.sh OUTDIR": ("marked", "GPU"),
-    "python bench/data_scale.py --mb 4096": ("marked", "long: a 4 GB corpus (tests/system/test_data_scale.py runs it small)"),
+    "python bench/data_scale.py --mb 4096": ("marked", "long: a 4 GB corpus (test_data_scale runs it small)"),
     "bench/gpu_check.sh --pack": ("marked", "network: downloads wheels"),
     "bench/gpu_check.sh out/": ("marked", "GPU"),
     "bench/gpu_check.sh --dry out/": ("marked", "run by tests/test_bench.py"),

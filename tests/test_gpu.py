@@ -146,3 +146,30 @@ def test_paged_8bit_adamw_trains_on_gpu(tokenized):
     assert np.isfinite(curve).all() and curve[-1] < curve[0]
     meta = json.loads((tokenized / "paged/meta.json").read_text())
     assert 0 < meta["optimizer_state_bytes"] < 0.3 * 8 * meta["parameters"]
+
+
+def test_fp16_with_a_gradient_scaler_trains_like_fp32(tokenized):
+    args = ["--input", "data/tokenize", *TINY]
+    run_stage("pretrain", [*args, "--output", "fp32", "train.precision=fp32"], cwd=tokenized)
+    run_stage("pretrain", [*args, "--output", "fp16", "train.precision=fp16"], cwd=tokenized)
+    curve = loss_curve(tokenized, "fp16")
+    assert np.isfinite(curve).all()
+    np.testing.assert_allclose(curve, loss_curve(tokenized, "fp32"), rtol=2e-2)
+    assert json.loads((tokenized / "fp16/meta.json").read_text())["compute_dtype"] == "torch.float16"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallel under nccl needs 2 GPUs")
+def test_tensor_parallel_in_bf16_under_nccl_trains_like_ddp(tokenized):
+    args = ["--input", "data/tokenize", *TINY]
+    run_stage("pretrain", [*args, "--output", "ddp-ref", "train.strategy=ddp"], cwd=tokenized, nproc=2)
+    run_stage("pretrain", [*args, "--output", "tp2", "train.tensor_parallel=2"], cwd=tokenized, nproc=2)
+    np.testing.assert_allclose(loss_curve(tokenized, "tp2"), loss_curve(tokenized, "ddp-ref"), rtol=2e-2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="2D FSDP2 x tensor parallel under nccl needs 4 GPUs")
+def test_2d_fsdp_and_tensor_parallel_in_bf16_under_nccl_trains_like_ddp(tokenized):
+    args = ["--input", "data/tokenize", *TINY]
+    run_stage("pretrain", [*args, "--output", "ddp4", "train.strategy=ddp"], cwd=tokenized, nproc=4)
+    layout = ["train.strategy=fsdp", "train.tensor_parallel=2"]
+    run_stage("pretrain", [*args, "--output", "fsdp2-tp2", *layout], cwd=tokenized, nproc=4)
+    np.testing.assert_allclose(loss_curve(tokenized, "fsdp2-tp2"), loss_curve(tokenized, "ddp4"), rtol=2e-2)
