@@ -6,7 +6,9 @@ Reads the stage's `resources` in pipelines/stages.yaml and runs `python -m stage
 for one process, or `torchrun --standalone --nproc-per-node N -m stages.<stage>` for several (gloo on
 CPU, nccl on GPU; --standalone picks a free port, so parallel stages do not collide). On a machine with
 GPUs, a stage that asks for GPUs gets one process per visible GPU, up to `gpus_per_node`.
-`PIPELINE_NPROC_PER_NODE` overrides the process count for every stage.
+`PIPELINE_NPROC_PER_NODE` overrides the process count for every stage. A training stage whose `train`
+section asks for a parallel layout (tensor_parallel x pipeline_parallel) that the processes cannot form
+is refused here, naming both settings, before any process starts.
 
 Inside a SLURM allocation of several nodes (a stage with `nodes: N > 1`, submitted by the slurm profile)
 it starts one `torchrun` per node with `srun`, all meeting at a c10d rendezvous on the allocation's
@@ -57,6 +59,35 @@ def slurm_hosts(env: dict) -> list[str]:
     return out.stdout.split()
 
 
+def layout_problem(stage: str, args: list[str], processes: int) -> str | None:
+    """Why `processes` cannot form the parallel layout of the stage's train section (params file and
+    key=value overrides as the stage reads them), or None. Anything the stage itself will reject (a bad
+    value, a missing file) is left to it."""
+    from stages.common import config
+
+    params, overrides, values = "params.yaml", [], iter(args)
+    for arg in values:
+        if arg == "--params":
+            params = next(values, params)
+        elif arg.startswith("--params="):
+            params = arg.split("=", 1)[1]
+        elif "=" in arg and not arg.startswith("-"):
+            overrides.append(arg)
+    try:
+        section = config.apply_overrides(stage, config.read_yaml(params).get(stage) or {}, overrides)
+        train = section.get("train") or {}
+        tp, pp = int(train.get("tensor_parallel", 1)), int(train.get("pipeline_parallel", 1))
+    except (OSError, ValueError, TypeError, AttributeError, config.ConfigError):
+        return None
+    if tp < 1 or pp < 1 or (processes % (tp * pp) == 0 and (pp == 1 or processes == pp)):
+        return None
+    need = f"pipeline_parallel {pp} needs exactly {pp}" if pp > 1 else f"tensor_parallel {tp} needs a multiple of {tp}"
+    return (
+        f"launch: stage {stage} starts {processes} processes (its resources in pipelines/stages.yaml, or "
+        f"PIPELINE_NPROC_PER_NODE), but {stage}.train.{need} processes; change the one or the other"
+    )
+
+
 def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
     env = os.environ if env is None else env
     name = stage.split("@", 1)[0]
@@ -69,6 +100,9 @@ def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
         nproc = min(int(res["gpus_per_node"]), visible_gpus())
     nproc = int(env.get("PIPELINE_NPROC_PER_NODE", nproc))
     nodes = int(res["nodes"])
+    problem = layout_problem(name, args, nproc * nodes)
+    if problem:
+        raise SystemExit(problem)
     module = ["-m", f"stages.{name}", *args]
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     if nodes > 1:

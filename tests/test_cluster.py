@@ -67,6 +67,20 @@ def test_single_node_stage_keeps_a_standalone_rendezvous(monkeypatch):
     assert "--standalone" in cmd and "srun" not in cmd
 
 
+def test_a_layout_the_processes_cannot_form_is_refused_before_any_start(monkeypatch):
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
+    env = {"PIPELINE_NPROC_PER_NODE": "2"}
+    cmd = launch.command("pretrain", ["--input", "data/tokenize", "train.tensor_parallel=2"], env)
+    assert "--nproc-per-node=2" in cmd and cmd[-1] == "train.tensor_parallel=2"
+    assert launch.command("pretrain", ["pretrain.train.pipeline_parallel=2"], env)
+    with pytest.raises(SystemExit, match="starts 2 processes .*tensor_parallel 4 needs a multiple of 4 processes"):
+        launch.command("pretrain", ["train.tensor_parallel=4"], env)
+    with pytest.raises(SystemExit, match="starts 4 processes .*train.pipeline_parallel 2 needs exactly 2 processes"):
+        launch.command("pretrain", ["train.pipeline_parallel=2"], {"PIPELINE_NPROC_PER_NODE": "4"})
+    # a bad value is the stage's to report, with its own message
+    assert launch.command("pretrain", ["train.tensor_parallel=many"], env)
+
+
 def test_every_stage_names_a_container_that_is_defined_and_passed_to_snakemake(tmp_path):
     dump = tmp_path / "rules.json"
     subprocess.run(
