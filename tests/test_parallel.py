@@ -86,6 +86,7 @@ def test_layouts_train_like_one_process_resume_exactly_and_checkpoints_move_betw
         (["train.pipeline_parallel=2"], "pipeline_parallel: 2 stages on 1 processes; data parallel beside"),
         (["train.tensor_parallel=2", "train.optimizer=adamw8bit"], "not supported with optimizer adamw8bit"),
         (["train.pipeline_parallel=2", "train.precision=fp16"], "not supported with precision fp16"),
+        (["train.tensor_parallel=2", "train.precision=fp16"], "tensor_parallel: 2 is not supported with precision"),
         (["train.pipeline_schedule=zero_bubble"], "unknown schedule 'zero_bubble'; valid: gpipe, 1f1b"),
         (
             ["train.tensor_parallel=2", "train.pipeline_parallel=2"],
@@ -113,6 +114,7 @@ def test_layout_checks_name_what_does_not_divide():
     assert pipeline.layout_problem(4, 2, 2) is None
     assert "3 decoder layers are not divisible by pipeline_parallel 2" in pipeline.layout_problem(3, 2, 2)
     assert "1 micro-batches per pipeline" in pipeline.layout_problem(4, 2, 1)
+    assert "ties its output head to its input embedding" in pipeline.layout_problem(4, 2, 2, tied_embeddings=True)
     assert [list(pipeline.stage_layers(4, 2, s)) for s in (0, 1)] == [[0, 1], [2, 3]]
 
 

@@ -252,9 +252,12 @@ def state_dicts(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
     (quantized bases also put packing statistics in the state dict; those are left out too)."""
     trainable = {_fqn(n) for n, p in model.named_parameters() if p.requires_grad}
     frozen = any(not p.requires_grad for p in model.parameters())
-    # The optimizer state flattened to one entry per parameter name (its moments and its group's settings),
-    # so that it loads under another layout: other processes, other pipeline stages.
-    options = StateDictOptions(ignore_frozen_params=frozen, strict=not frozen, flatten_optimizer_state_dict=True)
+    # AdamW's state flattened to one entry per parameter name (its moments and its group's settings), so
+    # that it loads under another layout: other processes, other pipeline stages. (bitsandbytes' 8-bit
+    # optimizers cannot load a flattened state; they keep the grouped one, and train in the layouts
+    # whose groups hold the same parameters on every process: ddp, and fsdp with adapters.)
+    flatten = isinstance(optimizer, torch.optim.AdamW)
+    options = StateDictOptions(ignore_frozen_params=frozen, strict=not frozen, flatten_optimizer_state_dict=flatten)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     if frozen:
         model_sd = {k: v for k, v in model_sd.items() if k in trainable}

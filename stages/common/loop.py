@@ -123,10 +123,12 @@ class TrainConfig:
             if degree > 1 and self.FROZEN_BASE:
                 raise ValueError(f"{key}: adapters on a frozen base train under ddp or fsdp; set it 1")
             unsupported = {"offload": self.offload, "compile": self.compile}  # (name: set)
-            if key == "tensor_parallel":  # bitsandbytes steps whole tensors, not DTensor shards
-                unsupported["optimizer"] = self.optimizer != "adamw"
-            else:  # fp16's gradient scaler is not wired into the pipeline schedule
-                unsupported["precision"] = self.precision == "fp16"
+            # bitsandbytes steps whole tensors, not DTensor shards; and its state loads only grouped as saved,
+            # which pipeline stages (each with other parameters) cannot share in one checkpoint
+            unsupported["optimizer"] = self.optimizer != "adamw"
+            # fp16's gradient scaler: not wired into the pipeline schedule, and its unscaling kernel takes
+            # no mix of DTensor and plain gradients (tensor parallel)
+            unsupported["precision"] = self.precision == "fp16"
             for name, on in unsupported.items():
                 if degree > 1 and on:
                     raise ValueError(
@@ -180,8 +182,9 @@ class TrainResult:
     optimizer_state_bytes: int = 0
     """This process's optimizer states at the end (a shard of them under FSDP)."""
     tokens_per_cpu_s: float = 0.0
-    """Tokens per second of this process's CPU time (all its threads), from the median step, the first left
-    out: what a step costs in compute on a CPU, which other jobs sharing the machine hardly move."""
+    """Tokens per second of CPU time (all threads of all processes, this one's times the number of
+    processes), from the median step, the first left out: what a step costs in compute on a CPU, which
+    other jobs sharing the machine hardly move."""
 
 
 def data_parallel(cfg: TrainConfig, rt: runtime.Runtime) -> tuple[int, int]:
@@ -379,8 +382,8 @@ def all_reduce_grads(params: list[torch.nn.Parameter], reduce_dtype: torch.dtype
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     flat = torch.cat([p.grad.reshape(-1).to(reduce_dtype) for p in params])
+    flat /= rt.world_size  # (before the sum, which could overflow in fp16)
     torch.distributed.all_reduce(flat)
-    flat /= rt.world_size
     offset = 0
     for p in params:
         n = p.numel()
@@ -405,6 +408,7 @@ def make_optimizer(model, cfg: TrainConfig):
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]  # (adapters are all matrices; checkpoints keep no empty group)
     betas = (cfg.beta1, cfg.beta2)
     if cfg.optimizer == "adamw":
         # The fused kernel (CPU and CUDA) is the fastest AdamW; it is also what transformers.Trainer uses.
@@ -431,10 +435,10 @@ def clip_grad_norm(params, max_norm: float, over_ranks: bool = False) -> torch.T
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float32)
-    for g in grads:
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+    for g in grads:  # (on the gradients' device: nccl reduces no host tensor)
         norm = torch.linalg.vector_norm(g, dtype=torch.float32)
-        total += (norm.full_tensor() if isinstance(norm, DTensor) else norm).cpu() ** 2
+        total += (norm.full_tensor() if isinstance(norm, DTensor) else norm).to(total.device) ** 2
     if over_ranks:
         torch.distributed.all_reduce(total)
     total = total.sqrt()
@@ -550,10 +554,10 @@ def train(
     fpt = flops_per_token(model, context_length)
     pipe = None
     if cfg.pipeline_parallel > 1:
-        problem = pipeline.layout_problem(model.config.num_hidden_layers, cfg.pipeline_parallel, accum)
+        c = model.config
+        problem = pipeline.layout_problem(c.num_hidden_layers, cfg.pipeline_parallel, accum, c.tie_word_embeddings)
         if problem:
             raise config.UserError(f"train.pipeline_parallel: {problem}")
-        model.to(rt.device)
         checkpoint_activations(model, cfg)
         pipe = pipeline.Pipeline(model, cfg.pipeline_parallel, cfg.pipeline_schedule, accum, rt)
         model = pipe.model  # this stage's part
@@ -671,7 +675,8 @@ def train(
     # when there are others: the median is not moved by a few steps slowed by other jobs on the machine.
     timed, cpu_timed = step_times[1:] or step_times, step_cpu_times[1:] or step_cpu_times
     tps = tokens_per_step / max(float(np.median(timed)), 1e-9) if timed else 0.0
-    cpu_tps = tokens_per_step / max(float(np.median(cpu_timed)), 1e-9) if cpu_timed else 0.0
+    # (every process spends about the same CPU time on its share of the step's tokens)
+    cpu_tps = tokens_per_step / max(float(np.median(cpu_timed)) * rt.world_size, 1e-9) if cpu_timed else 0.0
     return TrainResult(
         history=history,
         model=model,

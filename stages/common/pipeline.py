@@ -24,8 +24,13 @@ def stage_layers(n_layers: int, stages: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
-def layout_problem(n_layers: int, stages: int, micro_batches: int) -> str | None:
+def layout_problem(n_layers: int, stages: int, micro_batches: int, tied_embeddings: bool = False) -> str | None:
     """Why a model and step cannot be pipelined over `stages` stages, or None."""
+    if tied_embeddings:
+        return (
+            "the model ties its output head to its input embedding (tie_word_embeddings), which sit on the first "
+            "and last stages: their gradients would not be summed; untie them or set pipeline_parallel 1"
+        )
     if n_layers % stages:
         return f"the model's {n_layers} decoder layers are not divisible by pipeline_parallel {stages}"
     if micro_batches < stages:
@@ -88,7 +93,7 @@ class Pipeline:
         self.stage = rt.rank % stages  # (one pipeline: every process is one stage)
         self.first, self.last = self.stage == 0, self.stage == stages - 1
         keep_part(model, self.stage, stages)
-        self.model = model
+        self.model = model.to(rt.device)  # (this stage's part only)
         self.scale = 1.0
         self.device = rt.device
         module = StageModule(model, self.first, self.last)
@@ -109,7 +114,7 @@ class Pipeline:
         args = (x,) if self.first else ()
         target = y if self.last else None
         if train:
-            self.schedule.step(*args, target=target, losses=losses)
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         else:
             with torch.no_grad():
                 self.schedule.eval(*args, target=target, losses=losses)

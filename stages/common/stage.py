@@ -118,7 +118,10 @@ def check_train(where: str, train: loop.TrainConfig, rt: runtime.Runtime) -> Non
     try:
         loop.grad_accum_steps(train, rt.world_size // (tp * pp))
     except ValueError as e:
-        raise config.UserError(f"params.yaml: {where}.{e}") from None
+        layout = (
+            " (processes here: the data-parallel ones, processes / (tensor x pipeline degree))" if tp * pp > 1 else ""
+        )
+        raise config.UserError(f"params.yaml: {where}.{e}{layout}") from None
     if train.offload and not rt.distributed:
         raise config.UserError(
             f"params.yaml: {where}.offload: FSDP2's CPU offload shards over the processes of a torchrun run; "
