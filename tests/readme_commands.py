@@ -87,6 +87,12 @@ HOW: dict[str, tuple[str, str]] = {
         "",
     ),
     'python -m stages.generate data/pretrain/model "ROMEO:" --temperature 0.8 --top-k 50': ("run", ""),
+    "torchrun --nproc-per-node 2 -m stages.pretrain train.tensor_parallel=2": ("check", ""),
+    "torchrun --nproc-per-node 4 -m stages.pretrain train.strategy=fsdp train.tensor_parallel=2": ("check", ""),
+    "torchrun --nproc-per-node 2 -m stages.pretrain train.pipeline_parallel=2 train.pipeline_schedule=gpipe": (
+        "check",
+        "",
+    ),
     "torchrun --nproc-per-node 2 -m stages.extend_context --base data/pretrain/model --input data/tokenize "
     "--output data/extend_context factor=4 train.steps=100": ("check", ""),
     "torchrun --nproc-per-node 2 -m stages.finetune_qlora --input data/prepare_data --output data/finetune_qlora/nf4": (
