@@ -36,7 +36,7 @@ run: $(STAMP)
 test: $(STAMP)
 	ruff check .
 	ruff format --check .
-	python -m pytest -q tests --ignore=tests/system
+	python -m pytest -q --durations=25 tests --ignore=tests/system
 
 # As root: a single-node SLURM running the pipeline, the stage containers built with podman, the MLflow
 # UI in headless Chromium (tests/system/). Installs the Debian packages they need first; each test that
