@@ -36,14 +36,15 @@ run: $(STAMP)
 test: $(STAMP)
 	ruff check .
 	ruff format --check .
-	python -m pytest -q --durations=25 tests --ignore=tests/system
+	python -m pytest -q --durations=25 -m "not long" tests --ignore=tests/system
 
 # As root: a single-node SLURM running the pipeline, the stage containers built with podman, the MLflow
 # UI in headless Chromium (tests/system/). Installs the Debian packages they need first; each test that
-# cannot run here is skipped with the reason.
+# cannot run here is skipped with the reason. Then the tests marked long (minutes each).
 test-system: $(STAMP)
 	bash tests/system/install.sh
-	python -m pytest -q tests/system
+	python -m pytest -q --durations=15 tests/system
+	python -m pytest -q --durations=5 -m long tests --ignore=tests/system
 
 dag: $(STAMP)
 	python -m pipelines.dag write

@@ -13,6 +13,7 @@ from conftest import ROOT, stage_env
 from stages.common import config, track
 
 
+@pytest.mark.long
 def test_gpu_check_dry_runs_every_step_and_writes_its_figures(tmp_path, mirror):
     out = tmp_path / "out"
     env = {**stage_env(tmp_path), "PYTHON": sys.executable, "PIPELINE_TRACKING": "on"}

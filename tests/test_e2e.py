@@ -414,6 +414,7 @@ def resumed_step(clone: Path) -> int:
     return int(resumed.group(1))
 
 
+@pytest.mark.long
 @pytest.mark.timeout(1800)
 def test_stopped_pipeline_resumes_from_the_stage_checkpoint(clone):
     """The pipeline stopped mid-pretrain, by Ctrl-C and by a lost machine (every process killed): the
