@@ -397,7 +397,7 @@ def make_grad_scaler(cfg: TrainConfig, rt: runtime.Runtime):
     Under FSDP the sharded scaler agrees on an overflow across ranks."""
     if cfg.compute_dtype(rt.device) != torch.float16:
         return None
-    if rt.distributed and (cfg.strategy == "fsdp" or cfg.tensor_parallel > 1):  # DTensor gradients
+    if rt.distributed and cfg.strategy == "fsdp":  # DTensor gradients
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device=rt.device.type)
@@ -412,10 +412,9 @@ def make_optimizer(model, cfg: TrainConfig):
     betas = (cfg.beta1, cfg.beta2)
     if cfg.optimizer == "adamw":
         # The fused kernel (CPU and CUDA) is the fastest AdamW; it is also what transformers.Trainer uses.
-        # Not beside FSDP's sharded gradient scaler (fp16): its overflow flag has the wrong shape for it.
         # Under tensor parallel, the per-parameter kernel: the parameters are DTensors on two meshes beside
-        # plain tensors, which the multi-tensor kernels do not take in one list. (The groups stay the same
-        # in every layout, so a checkpoint's optimizer state loads under another.)
+        # plain tensors, which the multi-tensor kernels do not take in one list. Not fused beside FSDP's
+        # sharded gradient scaler (fp16) either: its overflow flag has the wrong shape for the fused kernel.
         if cfg.tensor_parallel > 1:
             return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, foreach=False)
         fused = not (cfg.precision == "fp16" and cfg.strategy == "fsdp")
