@@ -303,24 +303,58 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
 
 
 def tensor_parallelize(model, mesh) -> None:
-    """Megatron-style tensor parallelism on every decoder layer (torch.distributed.tensor.parallel):
-    q/k/v and gate/up split by output features (column-wise: each rank computes its heads and its part of
-    the MLP width), o and down by input features (row-wise: the partial outputs are summed by one
-    all-reduce each). Embedding, norms and head stay whole on every rank; their gradients come out whole
-    too, since the inputs' gradients of the column-wise layers are summed over the ranks."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    """Megatron-style tensor parallelism (torch.distributed.tensor.parallel). In every decoder layer,
+    q/k/v and gate/up are split by output features (column-wise: each rank computes its heads and its
+    part of the MLP width), o and down by input features (row-wise: the partial outputs are summed by
+    one all-reduce each). The attention's and the MLP's input enters as one replicated DTensor, so the
+    input gradients of q, k and v (and of gate and up) are summed locally and all-reduced once per
+    block, not once per projection. The embedding is split by vocabulary rows (its partial lookups
+    summed by one all-reduce) and the output head by vocabulary columns, whose sharded logits the loss
+    takes as they are (vocab_parallel_loss): no rank holds the whole (B, T, V) logits. Norms stay whole
+    on every rank. A model whose head is tied to its embedding keeps both whole."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
+    block_input = {"use_local_output": False}  # (a DTensor, so that the projections share its gradient)
     plan = {
+        "self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Replicate()},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            **block_input,
+        ),
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), **block_input),
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(),
     }
     for layer in decoder_layers(model):
         parallelize_module(layer, mesh, plan)
+    if not model.config.tie_word_embeddings:
+        ends = {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        }
+        parallelize_module(model, mesh, ends)
+
+
+def vocab_parallel_loss(cfg: TrainConfig):
+    """The context a tensor-parallel model's loss is computed and differentiated in: cross-entropy of
+    vocabulary-sharded logits, each rank over its columns (torch's loss_parallel); a no-op context
+    otherwise."""
+    if cfg.tensor_parallel == 1:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def tensor_parallel_problem(model_config, degree: int) -> str | None:
@@ -476,7 +510,11 @@ def lm_loss(
 ) -> torch.Tensor:
     """Next-token cross-entropy over targets other than IGNORE_INDEX, their mean or sum; y is x shifted
     by one, (B, T) each. Logits in fp32. With a compile_mode, the loss runs compiled in that mode."""
+    from torch.distributed.tensor import DTensor
+
     logits = model(input_ids=x, use_cache=False).logits  # (B, T, V); no KV cache while training
+    if isinstance(logits, DTensor):  # sharded by vocabulary (tensor parallel, under vocab_parallel_loss)
+        return cross_entropy(logits, y, reduction).full_tensor()  # (replicated: no communication)
     loss_fn = cross_entropy if compile_mode is None else compiled_cross_entropy(compile_mode)
     return loss_fn(logits, y, reduction)
 
@@ -517,7 +555,7 @@ def evaluate(model, windows, cfg: TrainConfig, rt: runtime.Runtime, pipe: pipeli
         for m in range(accum):
             index = (m * dp_size + dp_rank) * cfg.micro_batch_size
             x, y = windows.batch(-1 - b, index, cfg.micro_batch_size)
-            with autocast(cfg, rt):
+            with autocast(cfg, rt), vocab_parallel_loss(cfg):
                 loss = lm_loss(
                     model, x.to(rt.device), y.to(rt.device), reduction="sum", compile_mode=cfg.loss_compile_mode
                 )
@@ -610,7 +648,8 @@ def train(
             last = m == accum - 1
             # DDP: all-reduce gradients only on the last micro-batch of the step.
             no_sync = dp_size > 1 and not last and cfg.strategy == "ddp"
-            with model.no_sync() if no_sync else contextlib.nullcontext(), autocast(cfg, rt):
+            sync = model.no_sync() if no_sync else contextlib.nullcontext()
+            with sync, autocast(cfg, rt), vocab_parallel_loss(cfg):
                 loss = lm_loss(model, x, y, reduction="sum", compile_mode=cfg.loss_compile_mode) * scale.to(
                     torch.float32
                 )
