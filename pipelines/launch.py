@@ -63,7 +63,7 @@ def layout_problem(stage: str, args: list[str], processes: int) -> str | None:
     """Why `processes` cannot form the parallel layout of the stage's train section (params file and
     key=value overrides as the stage reads them), or None. Anything the stage itself will reject (a bad
     value, a missing file) is left to it."""
-    from stages.common import config
+    from stages.common import config, mesh
 
     params, overrides, values = "params.yaml", [], iter(args)
     for arg in values:
@@ -76,15 +76,18 @@ def layout_problem(stage: str, args: list[str], processes: int) -> str | None:
     try:
         section = config.apply_overrides(stage, config.read_yaml(params).get(stage) or {}, overrides)
         train = section.get("train") or {}
-        tp, pp = int(train.get("tensor_parallel", 1)), int(train.get("pipeline_parallel", 1))
+        degrees = [int(train.get(k, 1)) for k in ("tensor_parallel", "pipeline_parallel", "data_parallel_replicate")]
+        strategy = str(train.get("strategy", "ddp"))
     except (OSError, ValueError, TypeError, AttributeError, config.ConfigError):
         return None
-    if tp < 1 or pp < 1 or (processes % (tp * pp) == 0 and (pp == 1 or processes == pp)):
+    if min(degrees) < 1:
         return None
-    need = f"pipeline_parallel {pp} needs exactly {pp}" if pp > 1 else f"tensor_parallel {tp} needs a multiple of {tp}"
+    problem = mesh.layout_problem(processes, *degrees, strategy)
+    if problem is None:
+        return None
     return (
         f"launch: stage {stage} starts {processes} processes (its resources in pipelines/stages.yaml, or "
-        f"PIPELINE_NPROC_PER_NODE), but {stage}.train.{need} processes; change the one or the other"
+        f"PIPELINE_NPROC_PER_NODE), but {stage}.train.{problem}; change the one or the other"
     )
 
 

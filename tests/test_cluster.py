@@ -73,10 +73,14 @@ def test_a_layout_the_processes_cannot_form_is_refused_before_any_start(monkeypa
     cmd = launch.command("pretrain", ["--input", "data/tokenize", "train.tensor_parallel=2"], env)
     assert "--nproc-per-node=2" in cmd and cmd[-1] == "train.tensor_parallel=2"
     assert launch.command("pretrain", ["pretrain.train.pipeline_parallel=2"], env)
-    with pytest.raises(SystemExit, match="starts 2 processes .*tensor_parallel 4 needs a multiple of 4 processes"):
+    with pytest.raises(SystemExit, match="starts 2 processes .*tensor_parallel: 4 does not divide the 2 processes"):
         launch.command("pretrain", ["train.tensor_parallel=4"], env)
-    with pytest.raises(SystemExit, match="starts 4 processes .*train.pipeline_parallel 2 needs exactly 2 processes"):
-        launch.command("pretrain", ["train.pipeline_parallel=2"], {"PIPELINE_NPROC_PER_NODE": "4"})
+    four = {"PIPELINE_NPROC_PER_NODE": "4"}
+    assert launch.command("pretrain", ["train.pipeline_parallel=2"], four)  # two pipelines of 2 stages
+    with pytest.raises(SystemExit, match="starts 4 processes .*data_parallel_replicate: 3 does not divide the 4"):
+        launch.command("pretrain", ["train.strategy=fsdp", "train.data_parallel_replicate=3"], four)
+    with pytest.raises(SystemExit, match="2 data-parallel x 2 tensor-parallel; .* set strategy fsdp"):
+        launch.command("pretrain", ["train.tensor_parallel=2"], four)
     # a bad value is the stage's to report, with its own message
     assert launch.command("pretrain", ["train.tensor_parallel=many"], env)
 

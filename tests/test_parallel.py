@@ -1,7 +1,8 @@
 """Tensor parallel (TP 2), pipeline parallel (PP 2, GPipe and 1F1B) and 2D FSDP2 x TP (2 x 2, 4 processes)
 train pretrain's model with the losses of one process; the published model gives the one-process logits;
 TP and PP runs resume bit-identically after SIGKILL, and a checkpoint moves between layouts:
-TP 2 -> PP 2 -> one process. Errors for layouts the model or the batch cannot take."""
+TP 2 -> PP 2 x FSDP 2 -> one process. The parallelism study's bytes sent equal their analytic figures
+(HSDP and PP x DDP among its layouts). Errors for layouts the model or the batch cannot take."""
 
 from __future__ import annotations
 
@@ -69,13 +70,15 @@ def test_layouts_train_like_one_process_resume_exactly_and_checkpoints_move_betw
         kill(tokenized, f"par-same-{name}", nproc, args, 6, None, f"ckpts-par-{name}")
         resumed = resume(tokenized, f"par-same-{name}", nproc, args, 4, f"ckpts-par-{name}")
         np.testing.assert_array_equal(resumed, curves[name])
-    # Across layouts, one checkpoint folder for all of them: TP 2 dies at step 4 (step 2 kept), PP 2
-    # (1F1B) resumes it and dies at step 6 (step 4 kept), one process resumes that and finishes.
+    # Across layouts, one checkpoint folder for all of them: TP 2 dies at step 4 (step 2 kept), two
+    # pipelines of 2 stages (1F1B), each stage FSDP2-sharded over its 2 copies, resume it and die at step 6
+    # (step 4 kept), one process resumes that and finishes.
     kill(tokenized, "par-moves", 2, layouts["tp2"][1], 4, None, "ckpts-par-moves")
-    kill(tokenized, "par-moves", 2, [*every, "train.pipeline_parallel=2"], 6, 2, "ckpts-par-moves")
+    pp_fsdp = [*every, "train.pipeline_parallel=2", "train.strategy=fsdp"]
+    kill(tokenized, "par-moves", 4, pp_fsdp, 6, 2, "ckpts-par-moves")
     moved = resume(tokenized, "par-moves", 1, every, 4, "ckpts-par-moves")
     difference = max_relative_difference(moved, ref)
-    print(f"TP 2 -> PP 2 -> one process: largest relative loss difference from one process {difference:.2e}")
+    print(f"TP 2 -> PP 2 x FSDP 2 -> one process: largest relative loss difference from one process {difference:.2e}")
     np.testing.assert_allclose(moved, ref, rtol=RTOL)
 
 
@@ -83,7 +86,8 @@ def test_layouts_train_like_one_process_resume_exactly_and_checkpoints_move_betw
     "override, message",
     [
         (["train.tensor_parallel=2"], "tensor_parallel: 2 does not divide the 1 processes of this run"),
-        (["train.pipeline_parallel=2"], "pipeline_parallel: 2 stages on 1 processes; data parallel beside"),
+        (["train.pipeline_parallel=2"], "pipeline_parallel: 2 does not divide the 1 processes of this run"),
+        (["train.data_parallel_replicate=2"], "data_parallel_replicate: replicas of FSDP2's shards \\(HSDP\\) need"),
         (["train.tensor_parallel=2", "train.optimizer=adamw8bit"], "not supported with optimizer adamw8bit"),
         (["train.pipeline_parallel=2", "train.precision=fp16"], "not supported with precision fp16"),
         (["train.tensor_parallel=2", "train.precision=fp16"], "tensor_parallel: 2 is not supported with precision"),
@@ -125,3 +129,48 @@ def test_a_batch_the_pipeline_cannot_take_fails_before_training(tokenized):
     message = "1 micro-batches per pipeline .* fewer than its 2 stages"
     assert proc.returncode != 0 and re.search(message, proc.stdout + proc.stderr), proc.stderr[-2000:]
     assert not (tokenized / "bad-layout").exists()
+
+
+def test_parallel_study_measures_the_analytic_bytes_and_tensor_parallel_halves_the_state(tokenized, tmp_path):
+    """bench/parallel_study.py on the tiny model: the bytes each layout sends, counted from the ops that
+    ran, equal the figure derived from the shapes alone, so every layout issues exactly the traffic its
+    design implies (FSDP's re-gather for the backward, one all-reduce per block input under TP, ...)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "study"
+    layouts = "ddp2,fsdp2,tp2,pp2,fsdp2-tp2,hsdp2x2,pp2-ddp2"
+    cmd = [sys.executable, str(ROOT / "bench/parallel_study.py"), "--input", str(tokenized / "data/tokenize")]
+    cmd += ["--model", "tiny", "--steps", "3", "--layouts", layouts, "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout)
+    rows = json.loads((out / "figures.json").read_text())["layouts"]
+    assert list(rows) == layouts.split(",")
+    for name, row in rows.items():  # (the step's few scalar all-reduces are all the analytic figure leaves out)
+        assert row["comm_ratio"] == pytest.approx(1.0, abs=0.01), name
+        assert row["loss"] == pytest.approx(rows["ddp2"]["loss"], rel=RTOL), name
+    assert set(rows["ddp2"]["calls"]) == {"all_reduce"}
+    assert {"all_gather", "reduce_scatter"} <= set(rows["fsdp2"]["calls"])
+    assert rows["pp2"]["calls"]["send"] > 0 and "all_gather" not in rows["pp2"]["calls"]
+    assert rows["hsdp2x2"]["calls"]["all_reduce"] > rows["fsdp2"]["calls"]["all_reduce"]  # (across replicas)
+    # TP 2, FSDP 2 and PP 2 each hold about half the training state DDP holds on every rank
+    for name in ("tp2", "fsdp2", "pp2"):
+        assert rows[name]["state_mib"] / rows["ddp2"]["state_mib"] <= 0.55, name
+    assert rows["fsdp2-tp2"]["state_mib"] / rows["ddp2"]["state_mib"] <= 0.3
+    assert (out / "parallel.png").stat().st_size > 0
+    assert len((out / "table.csv").read_text().splitlines()) == 1 + len(rows)
+
+
+def test_parallel_study_refuses_an_unknown_layout(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    cmd = [sys.executable, str(ROOT / "bench/parallel_study.py"), "--layouts", "ddp2,tp3", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--layouts: unknown tp3; valid: ddp2" in proc.stderr

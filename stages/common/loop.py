@@ -30,7 +30,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from stages.common import ckpt, config, pipeline, runtime, shards
+from stages.common import ckpt, config, mesh, pipeline, runtime, shards
 
 STRATEGIES = ("ddp", "fsdp")
 # AdamW in fp32, or bitsandbytes' 8-bit AdamW (block-wise quantized moments: 2 bytes per parameter
@@ -48,7 +48,9 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # exactly as the one-process run does; bf16 and fp16 halve the bytes sent.
 # How the processes share the model, not what it computes: a checkpoint saved under one layout resumes
 # under another (DCP reshards on load), so these keys are not part of the checkpoint folder's key.
-LAYOUT_KEYS = ("strategy", "tensor_parallel", "pipeline_parallel", "pipeline_schedule", "offload")
+LAYOUT_KEYS = (
+    "strategy", "tensor_parallel", "pipeline_parallel", "pipeline_schedule", "data_parallel_replicate", "offload",
+)  # fmt: skip
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -88,6 +90,9 @@ class TrainConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     pipeline_schedule: str = "1f1b"
+    data_parallel_replicate: int = 1
+    """strategy fsdp: the data-parallel processes form this many replicas, each sharding the model over
+    the rest (HSDP: gradients reduce-scattered within a replica, then all-reduced across replicas)."""
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -135,13 +140,18 @@ class TrainConfig:
                         f"{key}: {degree} is not supported with {name} {getattr(self, name)}; change {name} or "
                         f"set {key} 1"
                     )
+        if self.data_parallel_replicate > 1 and self.strategy != "fsdp":
+            raise ValueError(
+                "data_parallel_replicate: replicas of FSDP2's shards (HSDP) need strategy fsdp; ddp replicates the "
+                "model on every data-parallel process already: set it 1"
+            )
         if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
             raise ValueError(
                 "pipeline_parallel: pipeline stages split by tensor parallel (3D) are not supported; set "
                 "tensor_parallel or pipeline_parallel to 1"
             )
         keys = ("steps", "batch_size", "micro_batch_size", "log_every", "activation_checkpointing_every")
-        for key in (*keys, "tensor_parallel", "pipeline_parallel"):
+        for key in (*keys, "tensor_parallel", "pipeline_parallel", "data_parallel_replicate"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         for key in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every"):
@@ -274,18 +284,16 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
     if not rt.distributed:
         return torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     reduce_dtype = REDUCE_DTYPES[cfg.reduce_dtype]
-    if cfg.tensor_parallel > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        problem = tensor_parallel_problem(model.config, cfg.tensor_parallel)
-        if problem:
-            raise config.UserError(f"train.tensor_parallel: {problem}; choose a degree that divides them")
-        dp_size = rt.world_size // cfg.tensor_parallel
-        mesh = init_device_mesh(rt.device.type, (dp_size, cfg.tensor_parallel), mesh_dim_names=("dp", "tp"))
-        tensor_parallelize(model, mesh["tp"])
-        if dp_size == 1:
+    if cfg.tensor_parallel > 1 or cfg.data_parallel_replicate > 1:
+        procs = mesh.device_mesh(cfg, rt)
+        if cfg.tensor_parallel > 1:
+            problem = tensor_parallel_problem(model.config, cfg.tensor_parallel)
+            if problem:
+                raise config.UserError(f"train.tensor_parallel: {problem}; choose a degree that divides them")
+            tensor_parallelize(model, procs["tp"])
+        if data_parallel(cfg, rt)[1] == 1:
             return model
-        return shard(model, cfg, rt, mesh["dp"], reduce_dtype)
+        return shard(model, cfg, rt, mesh.data_mesh(cfg, procs), reduce_dtype)
     if cfg.strategy == "ddp":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -302,7 +310,7 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
     return shard(model, cfg, rt, init_device_mesh(rt.device.type, (rt.world_size,)), reduce_dtype)
 
 
-def tensor_parallelize(model, mesh) -> None:
+def tensor_parallelize(model, tp_mesh) -> None:
     """Megatron-style tensor parallelism (torch.distributed.tensor.parallel). In every decoder layer,
     q/k/v and gate/up are split by output features (column-wise: each rank computes its heads and its
     part of the MLP width), o and down by input features (row-wise: the partial outputs are summed by
@@ -337,13 +345,13 @@ def tensor_parallelize(model, mesh) -> None:
         "mlp.down_proj": RowwiseParallel(),
     }
     for layer in decoder_layers(model):
-        parallelize_module(layer, mesh, plan)
+        parallelize_module(layer, tp_mesh, plan)
     if not model.config.tie_word_embeddings:
         ends = {
             "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
         }
-        parallelize_module(model, mesh, ends)
+        parallelize_module(model, tp_mesh, ends)
 
 
 def vocab_parallel_loss(cfg: TrainConfig):
@@ -370,11 +378,13 @@ def tensor_parallel_problem(model_config, degree: int) -> str | None:
     return None
 
 
-def shard(model, cfg: TrainConfig, rt: runtime.Runtime, mesh, reduce_dtype: torch.dtype):
-    """FSDP2 over `mesh`: fully_shard per decoder layer, then the root."""
+def shard(model, cfg: TrainConfig, rt: runtime.Runtime, data_mesh, reduce_dtype: torch.dtype, root=None):
+    """FSDP2 over `data_mesh` (2D: HSDP, replicated over its first dimension and sharded over its second):
+    fully_shard per decoder layer, then the root (`root`: a module around the model that runs its forward,
+    a pipeline stage's)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    kwargs = {"mesh": mesh}
+    kwargs = {"mesh": data_mesh}
     if cfg.offload:  # parameters, gradients and optimizer states live on the host between uses
         from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -393,7 +403,7 @@ def shard(model, cfg: TrainConfig, rt: runtime.Runtime, mesh, reduce_dtype: torc
         if cfg.compile:
             layer.compile(mode=cfg.compile_mode)
         fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(model if root is None else root, **kwargs)
     return model
 
 
@@ -459,12 +469,12 @@ def make_optimizer(model, cfg: TrainConfig):
     return cls(groups, lr=cfg.lr, betas=betas)
 
 
-def clip_grad_norm(params, max_norm: float, over_ranks: bool = False) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float, stages=None) -> torch.Tensor:
     """Scale the gradients so that their global norm is at most `max_norm`; the norm before. For a model
     whose parameters are DTensors on several meshes (tensor parallel) beside plain tensors, where
     torch.nn.utils.clip_grad_norm_ would combine norms of different kinds: each gradient's norm is
-    computed whole (a DTensor's over its mesh). `over_ranks`: each process holds other parameters
-    (pipeline stages); their squared norms are summed over all processes."""
+    computed whole (a DTensor's over its mesh). `stages`: the process group of a pipeline's stages, each
+    holding other parameters; their squared norms are summed over it."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
@@ -472,8 +482,8 @@ def clip_grad_norm(params, max_norm: float, over_ranks: bool = False) -> torch.T
     for g in grads:  # (on the gradients' device: nccl reduces no host tensor)
         norm = torch.linalg.vector_norm(g, dtype=torch.float32)
         total += (norm.full_tensor() if isinstance(norm, DTensor) else norm).to(total.device) ** 2
-    if over_ranks:
-        torch.distributed.all_reduce(total)
+    if stages is not None:
+        torch.distributed.all_reduce(total, group=stages)
     total = total.sqrt()
     coef = min(1.0, max_norm / (float(total) + 1e-6))
     if coef < 1.0:
@@ -545,7 +555,10 @@ def evaluate(model, windows, cfg: TrainConfig, rt: runtime.Runtime, pipe: pipeli
     accum = grad_accum_steps(cfg, dp_size)
     for b in range(cfg.eval_batches):
         if pipe is not None:  # the step's micro-batches through the pipeline; the last stage has the loss
-            micro = [windows.batch(-1 - b, m * cfg.micro_batch_size, cfg.micro_batch_size) for m in range(accum)]
+            micro = [
+                windows.batch(-1 - b, (m * dp_size + dp_rank) * cfg.micro_batch_size, cfg.micro_batch_size)
+                for m in range(accum)
+            ]
             x, y = torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
             with autocast(cfg, rt):
                 loss = pipe.run(x.to(rt.device), y.to(rt.device), 1.0, train=False)
@@ -596,7 +609,7 @@ def train(
         if problem:
             raise config.UserError(f"train.pipeline_parallel: {problem}")
         checkpoint_activations(model, cfg)
-        pipe = pipeline.Pipeline(model, cfg.pipeline_parallel, cfg.pipeline_schedule, accum, rt)
+        pipe = pipeline.Pipeline(model, cfg, accum, rt)
         model = pipe.model  # this stage's part
     else:
         model = wrap(model, cfg, rt)
@@ -659,7 +672,7 @@ def train(
         if scaler is not None:
             scaler.unscale_(optimizer)  # clip the true gradients
         if cfg.tensor_parallel > 1 or pipe is not None:
-            grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip, over_ranks=pipe is not None)
+            grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip, pipe.group if pipe is not None else None)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         if scaler is not None:

@@ -1,5 +1,7 @@
-"""Pipeline parallelism: a causal LM split by decoder layers into one stage per process, run by a
-torch.distributed.pipelining schedule (GPipe or 1F1B) over the step's micro-batches.
+"""Pipeline parallelism: a causal LM split by decoder layers into stages, run by a
+torch.distributed.pipelining schedule (GPipe or 1F1B) over the step's micro-batches. With more processes
+than stages, each stage runs on several data-parallel processes (DDP or FSDP2 over them), each pipeline
+on its own batches.
 
 Each process keeps its part of the transformers model itself, with the other parts removed (the
 embedding on the first stage, the final norm and head on the last, its run of decoder layers under
@@ -87,18 +89,26 @@ class Pipeline:
     stages. The losses are the loop's (summed cross-entropy times the step's scale), so the gradients
     are those of the one-process run; the schedule does not rescale them."""
 
-    def __init__(self, model, stages: int, schedule: str, micro_batches: int, rt: runtime.Runtime):
+    def __init__(self, model, cfg, micro_batches: int, rt: runtime.Runtime):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        self.stage = rt.rank % stages  # (one pipeline: every process is one stage)
+        from stages.common import mesh
+
+        stages = cfg.pipeline_parallel
+        replicas = rt.world_size // stages  # data-parallel copies of each stage
+        procs = mesh.device_mesh(cfg, rt) if replicas > 1 else None
+        self.stage = procs["pp"].get_local_rank() if procs else rt.rank
+        self.group = procs["pp"].get_group() if procs else torch.distributed.group.WORLD  # (a pipeline's stages)
         self.first, self.last = self.stage == 0, self.stage == stages - 1
         keep_part(model, self.stage, stages)
         self.model = model.to(rt.device)  # (this stage's part only)
         self.scale = 1.0
         self.device = rt.device
         module = StageModule(model, self.first, self.last)
-        pipe_stage = PipelineStage(module, self.stage, stages, rt.device)
-        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        if procs:
+            module = replicate_stage(module, cfg, rt, procs)
+        pipe_stage = PipelineStage(module, self.stage, stages, rt.device, group=self.group)
+        kind = ScheduleGPipe if cfg.pipeline_schedule == "gpipe" else Schedule1F1B
         self.schedule = kind(pipe_stage, micro_batches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -123,9 +133,34 @@ class Pipeline:
         return torch.stack([loss.detach().float() for loss in losses]).sum()
 
 
+def replicate_stage(module: StageModule, cfg, rt: runtime.Runtime, procs):
+    """A stage's module under the data-parallel wrapper over its replicas (the processes that run the same
+    stage on other batches): DDP, or FSDP2 per decoder layer and over the stage. The schedule syncs
+    gradients on the step's last backward only (pipelining drives DDP's no_sync and FSDP2's gradient
+    sync)."""
+    from stages.common import loop, mesh
+
+    dtype = loop.REDUCE_DTYPES[cfg.reduce_dtype]
+    if cfg.strategy == "fsdp":
+        loop.shard(module.lm, cfg, rt, mesh.data_mesh(cfg, procs), dtype, root=module)
+        return module
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [rt.local_rank] if rt.device.type == "cuda" else None
+    wrapped = DDP(module, device_ids=ids, process_group=procs["dp_shard"].get_group(), broadcast_buffers=False)
+    if dtype != torch.float32:
+        hooks = {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}
+        wrapped.register_comm_hook(None, hooks[dtype])
+    return wrapped
+
+
 def full_state_dict(model, rt: runtime.Runtime) -> dict:
-    """The whole model's state on rank 0, gathered from the stages' parts (CPU tensors)."""
-    part = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    """The whole model's state on rank 0, gathered from the stages' parts (CPU tensors; FSDP2's shards
+    gathered within each stage first)."""
+    from torch.distributed.tensor import DTensor
+
+    part = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in model.state_dict().items()}
     parts = [None] * rt.world_size if rt.is_main else None
     torch.distributed.gather_object(part, parts, dst=0)
     return {k: v for p in parts for k, v in p.items()} if rt.is_main else {}

@@ -32,7 +32,7 @@ import signal
 import sys
 from pathlib import Path
 
-from stages.common import atomic, ckpt, config, loop, registry, runtime, track
+from stages.common import atomic, ckpt, config, loop, mesh, registry, runtime, track
 
 STOPPED_EXIT_CODE = 143
 Stopped = runtime.Stopped
@@ -98,23 +98,9 @@ def check_train(where: str, train: loop.TrainConfig, rt: runtime.Runtime) -> Non
     """What a train section (at the dotted path `where`, e.g. pretrain.train) can only be checked against
     once the processes and the device are known; before any compute."""
     tp, pp = train.tensor_parallel, train.pipeline_parallel
-    if pp > 1 and rt.world_size != pp:
-        raise config.UserError(
-            f"params.yaml: {where}.pipeline_parallel: {pp} stages on {rt.world_size} processes; data parallel "
-            f"beside pipeline stages is not supported: run {pp} processes (torchrun --nproc-per-node {pp}) or set "
-            f"pipeline_parallel to the number of processes"
-        )
-    if rt.world_size % tp:
-        raise config.UserError(
-            f"params.yaml: {where}.tensor_parallel: {tp} does not divide the {rt.world_size} processes of this run; "
-            f"start a multiple of {tp} processes (torchrun --nproc-per-node) or change it"
-        )
-    if tp > 1 and train.strategy == "ddp" and rt.world_size > tp:
-        raise config.UserError(
-            f"params.yaml: {where}.tensor_parallel: {rt.world_size} processes = {rt.world_size // tp} data-parallel x "
-            f"{tp} tensor-parallel; the data dimension of this 2D layout is sharded by FSDP2, not replicated by DDP: "
-            f"set strategy fsdp (or run {tp} processes)"
-        )
+    problem = mesh.layout_problem(rt.world_size, tp, pp, train.data_parallel_replicate, train.strategy)
+    if problem:
+        raise config.UserError(f"params.yaml: {where}.{problem}")
     try:
         loop.grad_accum_steps(train, rt.world_size // (tp * pp))
     except ValueError as e:
