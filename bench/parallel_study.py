@@ -1,7 +1,8 @@
 """Parallelism study: what each layout of the processes costs per rank and on the wire, measured.
 
     python bench/parallel_study.py [--input data/tokenize] [--model 63m|tiny] [--steps 5]
-        [--layouts ddp2,fsdp2,tp2,pp2,ddp4,fsdp4,tp4,pp4,fsdp2-tp2,hsdp2x2,pp2-ddp2] [--out reports/parallel_study]
+        [--layouts ddp2,fsdp2,tp2,pp2,ddp4,fsdp4,tp4,pp4,fsdp2-tp2,hsdp2x2,pp2-ddp2,pp2-tp2]
+        [--out reports/parallel_study]
 
 Trains pretrain's Llama from one seed on the tokenize stage's shards for --steps optimizer steps
 under each layout, each in a fresh `torchrun` (gloo on CPUs, nccl on GPUs), in fp32, with the
@@ -11,7 +12,8 @@ codebase's loop (stages/common/loop.py) and a global batch of 8 x context tokens
     tpN      tensor parallel N                 ppN      pipeline parallel N stages (1F1B)
     fsdp2-tp2  FSDP2 over 2 x tensor parallel 2 (2D, 4 processes)
     hsdp2x2    HSDP: 2 replicas, each FSDP2-sharded over 2 processes
-    pp2-ddp2   2 pipelines of 2 stages, each stage DDP over its 2 copies
+    pp2-ddp2   2 pipelines of 2 stages, each stage's gradients averaged over its 2 copies
+    pp2-tp2    2 pipeline stages, each split by tensor parallel 2
 
 Per layout:
     loss            training loss at the last step: every layout trains the same model, so these agree
@@ -73,6 +75,7 @@ LAYOUTS = {  # name: (processes, train keys)
     "fsdp2-tp2": (4, {"strategy": "fsdp", "tensor_parallel": 2}),
     "hsdp2x2": (4, {"strategy": "fsdp", "data_parallel_replicate": 2}),
     "pp2-ddp2": (4, {"pipeline_parallel": 2}),
+    "pp2-tp2": (4, {"pipeline_parallel": 2, "tensor_parallel": 2}),
 }
 STATE_GOAL = 0.55  # TP 2's state per rank / DDP 2's
 COMM_TOLERANCE = 0.10
@@ -138,6 +141,8 @@ def analytic_bytes(name: str, model: dict, vocab: int, context: int, micro_batch
               the replicas
     PP x DDP  PP's, plus one all-reduce per step of each stage's gradients (a stage holds 1/PP of the
               parameters on average)
+    PP x TP   PP's (each tensor-parallel rank sends its copy of the activations), plus TP's for a stage's
+              share of the layers (the embedding's on the first stage, the head's and the loss's on the last)
     """
     nproc, keys = LAYOUTS[name]
     tp, pp = keys.get("tensor_parallel", 1), keys.get("pipeline_parallel", 1)
@@ -157,7 +162,7 @@ def analytic_bytes(name: str, model: dict, vocab: int, context: int, micro_batch
         sent += micro * 2 * (pp - 1) / pp * activation
     if tp > 1:
         per_micro = (4 * c["layers"] + 2) * activation + 3 * micro_batch_size * context * e
-        sent += micro * 2 * (tp - 1) / tp * per_micro
+        sent += micro * 2 * (tp - 1) / tp * per_micro / pp
     if dp > 1 and keys.get("strategy") == "fsdp":
         if pp > 1:
             raise ValueError("the study has no analytic figure for FSDP2 beside pipeline stages")
@@ -264,8 +269,10 @@ def run_layout(name: str, args, vocab: int, folder: Path) -> dict:
 
     env = {**os.environ, **MALLOC_ENV, **THREAD_ENV, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"parallel_study: layout {name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    if proc.returncode != 0:  # the first rank's traceback: the others' usually report its loss
+        lines = proc.stderr.splitlines()
+        start = next((i for i, line in enumerate(lines) if "Traceback" in line), max(0, len(lines) - 40))
+        raise SystemExit(f"parallel_study: layout {name} failed ({proc.returncode}):\n" + "\n".join(lines[start:][:60]))
     ranks = json.loads(Path(spec["result"]).read_text())
     n = len(ranks)
     state = sum(r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in ranks) / n

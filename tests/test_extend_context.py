@@ -246,18 +246,24 @@ def test_two_processes_write_every_variant_and_resume_exactly(tokenized, base_mo
     assert curves == ["linear-ft.csv", "unscaled-ft.csv"]
 
 
-def test_tensor_and_pipeline_parallel_fine_tunes_equal_one_process(tokenized, base_model, tmp_path):
+def test_tensor_pipeline_and_2d_parallel_fine_tunes_equal_one_process(tokenized, base_model, tmp_path):
     """YaRN's fine-tune (its attention scaled, its rotary embedding computed by each pipeline stage) split
-    over 2 processes by tensor parallel, and by pipeline parallel (1F1B): the losses of one process."""
+    over 2 processes by tensor parallel, and by pipeline parallel (1F1B), and over 4 by FSDP2 x tensor
+    parallel (2D): the losses of one process."""
     common = ["finetune=[yarn]", "train.steps=4", "train.checkpoint_every=0"]
-    layouts = {"one": (1, []), "tp2": (2, ["train.tensor_parallel=2"]), "pp2": (2, ["train.pipeline_parallel=2"])}
+    layouts = {
+        "one": (1, []),
+        "tp2": (2, ["train.tensor_parallel=2"]),
+        "pp2": (2, ["train.pipeline_parallel=2"]),
+        "fsdp2-tp2": (4, ["train.strategy=fsdp", "train.tensor_parallel=2"]),
+    }
     curves = {}
     for out, (nproc, extra) in layouts.items():
         args = [*stage_args(tokenized, base_model, tmp_path / out), *common, *extra]
         run_stage("extend_context", args, tmp_path, nproc)
         curves[out] = np.loadtxt(tmp_path / out / "plots/finetune_loss/yarn-ft.csv", delimiter=",", skiprows=1)[:, 1]
     assert len(curves["one"]) == 4
-    for out in ("tp2", "pp2"):
+    for out in ("tp2", "pp2", "fsdp2-tp2"):
         np.testing.assert_allclose(curves[out], curves["one"], rtol=1e-4, err_msg=out)
 
 

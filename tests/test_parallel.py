@@ -82,6 +82,20 @@ def test_layouts_train_like_one_process_resume_exactly_and_checkpoints_move_betw
     np.testing.assert_allclose(moved, ref, rtol=RTOL)
 
 
+@pytest.mark.long
+def test_3d_layout_trains_like_one_process(tokenized, monkeypatch):
+    """8 processes: 2 pipeline stages x 2 FSDP2 copies of each x tensor parallel 2 within each copy."""
+    monkeypatch.chdir(tokenized)
+    single = pretrain.main(["--input", "data/tokenize", "--output", "par3d-one", *TINY])
+    three_d = ["train.pipeline_parallel=2", "train.strategy=fsdp", "train.tensor_parallel=2"]
+    run(tokenized, "par-3d", 8, *three_d)
+    curve = loss_curve(tokenized, "par-3d")
+    print(
+        f"3D: largest relative loss difference from one process {max_relative_difference(curve, single['history']['loss']):.2e}"
+    )
+    np.testing.assert_allclose(curve, single["history"]["loss"], rtol=RTOL)
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -94,7 +108,7 @@ def test_layouts_train_like_one_process_resume_exactly_and_checkpoints_move_betw
         (["train.pipeline_schedule=zero_bubble"], "unknown schedule 'zero_bubble'; valid: gpipe, 1f1b"),
         (
             ["train.tensor_parallel=2", "train.pipeline_parallel=2"],
-            "pipeline stages split by tensor parallel \\(3D\\) are not supported",
+            "tensor_parallel x pipeline_parallel: 4 does not divide the 1 processes",
         ),
     ],
 )

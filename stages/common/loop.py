@@ -22,6 +22,7 @@ import contextlib
 import functools
 import importlib.util
 import math
+import operator
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,11 +145,6 @@ class TrainConfig:
             raise ValueError(
                 "data_parallel_replicate: replicas of FSDP2's shards (HSDP) need strategy fsdp; ddp replicates the "
                 "model on every data-parallel process already: set it 1"
-            )
-        if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
-            raise ValueError(
-                "pipeline_parallel: pipeline stages split by tensor parallel (3D) are not supported; set "
-                "tensor_parallel or pipeline_parallel to 1"
             )
         keys = ("steps", "batch_size", "micro_batch_size", "log_every", "activation_checkpointing_every")
         for key in (*keys, "tensor_parallel", "pipeline_parallel", "data_parallel_replicate"):
@@ -351,7 +347,9 @@ def tensor_parallelize(model, tp_mesh) -> None:
             "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
         }
-        parallelize_module(model, tp_mesh, ends)
+        # (a pipeline stage's part holds the embedding, or the head, or neither)
+        present = {name: style for name, style in ends.items() if operator.attrgetter(name)(model) is not None}
+        parallelize_module(model, tp_mesh, present)
 
 
 def vocab_parallel_loss(cfg: TrainConfig):
@@ -407,27 +405,33 @@ def shard(model, cfg: TrainConfig, rt: runtime.Runtime, data_mesh, reduce_dtype:
     return model
 
 
-def replicated_params(model, cfg: TrainConfig, rt: runtime.Runtime) -> list[torch.nn.Parameter]:
-    """The trainable parameters no wrapper averages gradients of: those FSDP left whole (the adapters of
-    a frozen base). Empty under DDP and FSDP of a whole model, and in one process."""
+def replicated_params(model, cfg: TrainConfig, rt: runtime.Runtime, pipe: pipeline.Pipeline | None = None):
+    """The trainable parameters whose gradients no wrapper averages, and the process group the loop
+    averages them over (None: all processes): those FSDP left whole (the adapters of a frozen base), and
+    a pipeline stage's under ddp, which the loop all-reduces over the stage's replicas once per step
+    (after the schedule's last backward, as DDP would). Empty under DDP and FSDP of a whole model, and
+    in one process."""
+    if pipe is not None:
+        return (list(model.parameters()), pipe.replicas) if pipe.replicas is not None else ([], None)
     if not rt.distributed or cfg.strategy != "fsdp" or cfg.tensor_parallel * cfg.pipeline_parallel > 1:
-        return []
+        return [], None
     from torch.distributed.tensor import DTensor
 
-    return [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    return [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)], None
 
 
-def all_reduce_grads(params: list[torch.nn.Parameter], reduce_dtype: torch.dtype, rt: runtime.Runtime) -> None:
-    """Average the gradients of replicated parameters over all ranks, in one flat all-reduce in
-    `reduce_dtype` (a missing gradient counts as zeros, so every rank sends the same layout)."""
+def all_reduce_grads(params: list[torch.nn.Parameter], reduce_dtype: torch.dtype, group=None) -> None:
+    """Average the gradients of replicated parameters over the processes of `group` (None: all), in one
+    flat all-reduce in `reduce_dtype` (a missing gradient counts as zeros, so every rank sends the same
+    layout)."""
     if not params:
         return
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     flat = torch.cat([p.grad.reshape(-1).to(reduce_dtype) for p in params])
-    flat /= rt.world_size  # (before the sum, which could overflow in fp16)
-    torch.distributed.all_reduce(flat)
+    flat /= torch.distributed.get_world_size(group)  # (before the sum, which could overflow in fp16)
+    torch.distributed.all_reduce(flat, group=group)
     offset = 0
     for p in params:
         n = p.numel()
@@ -614,7 +618,7 @@ def train(
     else:
         model = wrap(model, cfg, rt)
     optimizer = make_optimizer(model, cfg)
-    replicated = replicated_params(model, cfg, rt)
+    replicated, replica_group = replicated_params(model, cfg, rt, pipe)
     scaler = make_grad_scaler(cfg, rt)
     streams = (np.ndarray, shards.TokenStream)
     train_w = Windows(train_data, context_length, cfg.seed) if isinstance(train_data, streams) else train_data
@@ -668,7 +672,7 @@ def train(
                 )
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             loss_sum += loss.detach()
-        all_reduce_grads(replicated, REDUCE_DTYPES[cfg.reduce_dtype], rt)
+        all_reduce_grads(replicated, REDUCE_DTYPES[cfg.reduce_dtype], replica_group)
         if scaler is not None:
             scaler.unscale_(optimizer)  # clip the true gradients
         if cfg.tensor_parallel > 1 or pipe is not None:

@@ -95,64 +95,67 @@ class Pipeline:
         from stages.common import mesh
 
         stages = cfg.pipeline_parallel
-        replicas = rt.world_size // stages  # data-parallel copies of each stage
-        procs = mesh.device_mesh(cfg, rt) if replicas > 1 else None
+        # (a mesh when a stage runs on several processes: data-parallel copies, tensor-parallel ranks)
+        procs = mesh.device_mesh(cfg, rt) if rt.world_size > stages else None
         self.stage = procs["pp"].get_local_rank() if procs else rt.rank
         self.group = procs["pp"].get_group() if procs else torch.distributed.group.WORLD  # (a pipeline's stages)
         self.first, self.last = self.stage == 0, self.stage == stages - 1
         keep_part(model, self.stage, stages)
         self.model = model.to(rt.device)  # (this stage's part only)
+        self.cfg = cfg
+        if cfg.tensor_parallel > 1:  # (3D: each stage's layers split like a whole model's)
+            from stages.common import loop
+
+            loop.tensor_parallelize(model, procs["tp"])
         self.scale = 1.0
         self.device = rt.device
         module = StageModule(model, self.first, self.last)
-        if procs:
-            module = replicate_stage(module, cfg, rt, procs)
+        # Under ddp the loop averages the stage's gradients over its replicas after the step (one flat
+        # all-reduce, as DDP's buckets would send); DDP itself cannot follow a schedule's backward passes.
+        copies = procs is not None and procs["dp_replicate"].size() * procs["dp_shard"].size() > 1
+        self.replicas = procs["dp_shard"].get_group() if copies and cfg.strategy == "ddp" else None
+        if copies and cfg.strategy == "fsdp":
+            module = shard_stage(module, cfg, rt, procs)
         pipe_stage = PipelineStage(module, self.stage, stages, rt.device, group=self.group)
         kind = ScheduleGPipe if cfg.pipeline_schedule == "gpipe" else Schedule1F1B
         self.schedule = kind(pipe_stage, micro_batches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
         from stages.common.loop import cross_entropy
 
-        return cross_entropy(logits, y, reduction="sum") * self.scale
+        loss = cross_entropy(logits, y, reduction="sum")  # (vocabulary-sharded logits: under loss_parallel)
+        return (loss.full_tensor() if isinstance(loss, DTensor) else loss) * self.scale
 
     def run(self, x: torch.Tensor, y: torch.Tensor, scale: float, train: bool = True) -> torch.Tensor:
         """Run a batch (its rows: the micro-batches in order) through the pipeline; the summed loss times
         `scale` on the last stage, zero elsewhere. `train`: forward and backward (gradients accumulate)."""
+        from stages.common.loop import vocab_parallel_loss
+
         self.scale = scale
         losses = []
         args = (x,) if self.first else ()
         target = y if self.last else None
-        if train:
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        else:
-            with torch.no_grad():
-                self.schedule.eval(*args, target=target, losses=losses)
+        with vocab_parallel_loss(self.cfg):
+            if train:
+                self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            else:
+                with torch.no_grad():
+                    self.schedule.eval(*args, target=target, losses=losses)
         if not self.last:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum()
 
 
-def replicate_stage(module: StageModule, cfg, rt: runtime.Runtime, procs):
-    """A stage's module under the data-parallel wrapper over its replicas (the processes that run the same
-    stage on other batches): DDP, or FSDP2 per decoder layer and over the stage. The schedule syncs
-    gradients on the step's last backward only (pipelining drives DDP's no_sync and FSDP2's gradient
-    sync)."""
+def shard_stage(module: StageModule, cfg, rt: runtime.Runtime, procs) -> StageModule:
+    """A stage's module under FSDP2 over its replicas (the processes that run the same stage on other
+    batches): per decoder layer and over the stage. The schedule syncs gradients after the step's last
+    backward only (pipelining drives FSDP2's gradient sync)."""
     from stages.common import loop, mesh
 
-    dtype = loop.REDUCE_DTYPES[cfg.reduce_dtype]
-    if cfg.strategy == "fsdp":
-        loop.shard(module.lm, cfg, rt, mesh.data_mesh(cfg, procs), dtype, root=module)
-        return module
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    ids = [rt.local_rank] if rt.device.type == "cuda" else None
-    wrapped = DDP(module, device_ids=ids, process_group=procs["dp_shard"].get_group(), broadcast_buffers=False)
-    if dtype != torch.float32:
-        hooks = {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}
-        wrapped.register_comm_hook(None, hooks[dtype])
-    return wrapped
+    loop.shard(module.lm, cfg, rt, mesh.data_mesh(cfg, procs), loop.REDUCE_DTYPES[cfg.reduce_dtype], root=module)
+    return module
 
 
 def full_state_dict(model, rt: runtime.Runtime) -> dict:
