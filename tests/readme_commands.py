@@ -89,6 +89,9 @@ HOW: dict[str, tuple[str, str]] = {
     'python -m stages.generate data/pretrain/model "ROMEO:" --temperature 0.8 --top-k 50': ("run", ""),
     "torchrun --nproc-per-node 2 -m stages.pretrain train.tensor_parallel=2": ("check", ""),
     "torchrun --nproc-per-node 4 -m stages.pretrain train.strategy=fsdp train.tensor_parallel=2": ("check", ""),
+    "torchrun --nproc-per-node 4 -m stages.pretrain train.strategy=fsdp train.data_parallel_replicate=2": ("check", ""),
+    "torchrun --nproc-per-node 8 -m stages.pretrain train.pipeline_parallel=2 train.tensor_parallel=2 "
+    "train.strategy=fsdp": ("check", ""),
     "torchrun --nproc-per-node 2 -m stages.pretrain train.pipeline_parallel=2 train.pipeline_schedule=gpipe": (
         "check",
         "",
