@@ -16,7 +16,14 @@ first node (port 29400 + job id mod 1000, id = the job id):
 
     srun --overlap --nodes=N --ntasks-per-node=1 python -m torch.distributed.run --nnodes=N \
          --nproc-per-node=P --rdzv-backend=c10d --rdzv-endpoint=<first node>:<port> --rdzv-id=<job id> \
-         -m stages.<stage> ...
+         --rdzv-conf=join_timeout=300 -m stages.<stage> ...
+
+Preflight, before srun starts anything: an allocation with fewer nodes than the stage asks for, and a
+first node whose name resolves only to a loopback address (or to nothing) are refused, naming the fix
+(PIPELINE_RDZV_HOST: the address to meet at instead). A node that never joins fails the rendezvous after
+PIPELINE_RDZV_TIMEOUT seconds (300). The stage itself then checks, before it reads any data, that its
+world is the size started here (PIPELINE_WORLD_SIZE, set for it) and that every process joins one
+all-reduce within PIPELINE_PREFLIGHT_TIMEOUT seconds (stages.common.runtime.preflight).
 
 Preemption: SIGTERM (what SLURM sends at preemption and near the time limit) and SLURM's warning
 signal USR1 (`sbatch --requeue --signal=B:USR1@<seconds>`, for a stage submitted on its own) reach the
@@ -30,9 +37,11 @@ that DVC has just brought up to date. Without them Snakemake judges those output
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +58,33 @@ def visible_gpus() -> int:
         return 0
     out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
     return out.stdout.count("GPU ") if out.returncode == 0 else 0
+
+
+def resolve(host: str) -> list[str]:
+    """The addresses `host` resolves to here (empty when it does not resolve)."""
+    try:
+        return sorted({info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
+    except OSError:
+        return []
+
+
+def rendezvous_problem(host: str, nodes: int) -> str | None:
+    """Why the other nodes could not reach a rendezvous on `host`, or None: a name that does not
+    resolve, or one that resolves only to loopback addresses (a common /etc/hosts line maps a node's
+    own name to 127.0.1.1; torchrun would then listen where no other node can connect, and hang)."""
+    addresses = resolve(host)
+    fix = (
+        f"map {host} to its network address in /etc/hosts or DNS, or set PIPELINE_RDZV_HOST to an address "
+        f"of the allocation's first node that every node reaches"
+    )
+    if not addresses:
+        return f"launch: the rendezvous host {host} of this {nodes}-node stage does not resolve; {fix}"
+    if all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        return (
+            f"launch: the rendezvous host {host} resolves to {', '.join(addresses)}, a loopback address the other "
+            f"{nodes - 1} node(s) cannot reach; {fix}"
+        )
+    return None
 
 
 def slurm_hosts(env: dict) -> list[str]:
@@ -91,8 +127,8 @@ def layout_problem(stage: str, args: list[str], processes: int) -> str | None:
     )
 
 
-def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
-    env = os.environ if env is None else env
+def processes(stage: str, env: dict) -> tuple[int, int]:
+    """(processes per node, nodes) the stage runs on: its resources, and the GPUs or override here."""
     name = stage.split("@", 1)[0]
     table = load_table()
     if name not in table:
@@ -101,8 +137,13 @@ def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
     nproc = int(res["nproc_per_node"])
     if res.get("gpus_per_node", 0) and visible_gpus():
         nproc = min(int(res["gpus_per_node"]), visible_gpus())
-    nproc = int(env.get("PIPELINE_NPROC_PER_NODE", nproc))
-    nodes = int(res["nodes"])
+    return int(env.get("PIPELINE_NPROC_PER_NODE", nproc)), int(res["nodes"])
+
+
+def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
+    env = os.environ if env is None else env
+    name = stage.split("@", 1)[0]
+    nproc, nodes = processes(stage, env)
     problem = layout_problem(name, args, nproc * nodes)
     if problem:
         raise SystemExit(problem)
@@ -118,7 +159,13 @@ def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
         if have < nodes:
             raise SystemExit(f"launch: stage {name} asks for {nodes} nodes, the SLURM allocation has {have}")
         job = int(env["SLURM_JOB_ID"])
-        endpoint = f"{slurm_hosts(env)[0]}:{29400 + job % 1000}"
+        host = env.get("PIPELINE_RDZV_HOST") or slurm_hosts(env)[0]
+        problem = rendezvous_problem(host, nodes)
+        if problem:
+            raise SystemExit(problem)
+        endpoint = f"{host}:{29400 + job % 1000}"
+        # A node that never joins fails the rendezvous after this many seconds instead of torchrun's 600.
+        join = int(env.get("PIPELINE_RDZV_TIMEOUT", "300"))
         # --overlap: the step Snakemake runs this launcher in already holds a task of the allocation.
         return [
             "srun",
@@ -132,6 +179,7 @@ def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={job}",
+            f"--rdzv-conf=join_timeout={join}",
             *module,
         ]
     if nproc <= 1:
@@ -168,6 +216,7 @@ def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
     cmd = command(sys.argv[1], sys.argv[2:])
+    nproc, nodes = processes(sys.argv[1], os.environ)
     print("launch:", " ".join(cmd), file=sys.stderr, flush=True)
     # The child runs in a process group of its own, so Ctrl-C at a terminal reaches it once, through
     # this launcher (torchrun's shutdown breaks on a second signal), and it dies with the launcher:
@@ -189,6 +238,7 @@ def main() -> None:
             "PIPELINE_LAUNCHED": "1",
             "PIPELINE_STAGE": sys.argv[1],
             "PIPELINE_STOPPED_FILE": str(stopped),
+            "PIPELINE_WORLD_SIZE": str(nproc * nodes),  # what the stage's preflight expects
         },
     )
     warned, forwarded = [], []

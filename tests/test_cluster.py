@@ -4,9 +4,11 @@ pinned container definitions named by every stage. (Running them for real: tests
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,7 @@ def test_multi_node_stage_starts_one_torchrun_per_node_with_c10d_on_the_first(mo
     monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
     seen = []
     monkeypatch.setattr(launch, "slurm_hosts", lambda env: seen.append(env["SLURM_JOB_NODELIST"]) or ["gpu17", "gpu18"])
+    monkeypatch.setattr(launch, "resolve", lambda host: {"gpu17": ["10.0.0.17"]}.get(host, []))
     env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[17-18]"}
     cmd = launch.command("pretrain", ["--input", "data/tokenize"], env)
     assert seen == ["gpu[17-18]"]
@@ -53,12 +56,64 @@ def test_multi_node_stage_starts_one_torchrun_per_node_with_c10d_on_the_first(mo
     assert cmd[5:8] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--nnodes=2" in cmd and "--nproc-per-node=4" in cmd and "--rdzv-backend=c10d" in cmd
     assert "--rdzv-endpoint=gpu17:29642" in cmd and "--rdzv-id=4242" in cmd
+    assert "--rdzv-conf=join_timeout=300" in cmd  # a node that never comes fails the start in 5 minutes
     assert cmd[-4:] == ["-m", "stages.pretrain", "--input", "data/tokenize"]
 
     with pytest.raises(SystemExit, match="SLURM allocation"):
         launch.command("pretrain", [], {})
     with pytest.raises(SystemExit, match="has 1"):
         launch.command("pretrain", [], {**env, "SLURM_JOB_NUM_NODES": "1"})
+
+
+def test_a_rendezvous_host_the_other_nodes_cannot_reach_is_refused(monkeypatch):
+    """Before srun starts anything: a first node whose name resolves to a loopback address (the usual
+    127.0.1.1 line of /etc/hosts) or to nothing; PIPELINE_RDZV_HOST names another address."""
+    # real resolution: localhost is loopback on every machine
+    assert "localhost resolves to 127.0.0.1" in launch.rendezvous_problem("localhost", 2)
+    assert "a loopback address the other 1 node(s) cannot reach" in launch.rendezvous_problem("localhost", 2)
+    assert "does not resolve" in launch.rendezvous_problem("no-such-node.invalid", 2)
+    monkeypatch.setattr(launch, "load_table", lambda: with_resources("pretrain", nodes=2, nproc_per_node=1))
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(launch, "slurm_hosts", lambda env: ["node1", "node2"])
+    monkeypatch.setattr(launch, "resolve", {"node1": ["127.0.1.1"], "10.1.2.3": ["10.1.2.3"]}.get)
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"}
+    with pytest.raises(SystemExit, match="node1 resolves to 127.0.1.1, a loopback address .* PIPELINE_RDZV_HOST"):
+        launch.command("pretrain", [], env)
+    cmd = launch.command("pretrain", [], {**env, "PIPELINE_RDZV_HOST": "10.1.2.3", "PIPELINE_RDZV_TIMEOUT": "60"})
+    assert "--rdzv-endpoint=10.1.2.3:29407" in cmd and "--rdzv-conf=join_timeout=60" in cmd
+
+
+def test_preflight_refuses_a_world_the_launcher_did_not_start(tokenized, monkeypatch):
+    from test_pretrain import TINY
+
+    from stages import pretrain
+    from stages.common import config
+
+    monkeypatch.chdir(tokenized)
+    monkeypatch.setenv("PIPELINE_WORLD_SIZE", "2")
+    with pytest.raises(config.UserError, match="preflight: 1 processes joined, the stage's resources start 2"):
+        pretrain.main(["--input", "data/tokenize", "--output", "preflight", *TINY])
+    assert not (tokenized / "preflight").exists()
+
+
+def test_preflight_gives_up_on_a_process_that_never_joins(tmp_path):
+    """Rank 1 never reaches the all-reduce: rank 0 says why and exits after the timeout, never hangs."""
+    script = tmp_path / "missing.py"
+    script.write_text(
+        "import time\n"
+        "from stages.common import runtime\n"
+        "rt = runtime.init()\n"
+        "if rt.rank == 1:\n"
+        "    time.sleep(120)\n"
+        "runtime.preflight(rt, timeout_s=3)\n"
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    assert "preflight: rank 0 of 2 waited 3 s for the others to join one all-reduce" in proc.stderr
+    assert elapsed < 90  # (rank 1 would sleep 120 s: the run ended on rank 0's timeout)
 
 
 def test_single_node_stage_keeps_a_standalone_rendezvous(monkeypatch):

@@ -283,9 +283,6 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
     if cfg.tensor_parallel > 1 or cfg.data_parallel_replicate > 1:
         procs = mesh.device_mesh(cfg, rt)
         if cfg.tensor_parallel > 1:
-            problem = tensor_parallel_problem(model.config, cfg.tensor_parallel)
-            if problem:
-                raise config.UserError(f"train.tensor_parallel: {problem}; choose a degree that divides them")
             tensor_parallelize(model, procs["tp"])
         if data_parallel(cfg, rt)[1] == 1:
             return model
@@ -607,6 +604,9 @@ def train(
     accum = grad_accum_steps(cfg, dp_size)
     fpt = flops_per_token(model, context_length)
     pipe = None
+    problem = tensor_parallel_problem(model.config, cfg.tensor_parallel) if cfg.tensor_parallel > 1 else None
+    if problem:
+        raise config.UserError(f"train.tensor_parallel: {problem}; choose a degree that divides them")
     if cfg.pipeline_parallel > 1:
         c = model.config
         problem = pipeline.layout_problem(c.num_hidden_layers, cfg.pipeline_parallel, accum, c.tie_word_embeddings)

@@ -34,8 +34,9 @@ def layout_problem(
         )
     if tp > 1 and dp > 1 and strategy == "ddp":
         return (
-            f"tensor_parallel: {processes} processes = {dp} data-parallel x {tp} tensor-parallel; the data dimension "
-            f"of this 2D layout is sharded by FSDP2, not replicated by DDP: set strategy fsdp (or run {tp} processes)"
+            f"tensor_parallel: {processes} processes = {dp} data-parallel x {tp} tensor-parallel"
+            f"{f' x {pp} pipeline stages' if pp > 1 else ''}; the data dimension of a layout with tensor parallel "
+            f"is sharded by FSDP2, not replicated by DDP: set strategy fsdp (or run {tp * pp} processes)"
         )
     return None
 

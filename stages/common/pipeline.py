@@ -1,7 +1,8 @@
 """Pipeline parallelism: a causal LM split by decoder layers into stages, run by a
 torch.distributed.pipelining schedule (GPipe or 1F1B) over the step's micro-batches. With more processes
-than stages, each stage runs on several data-parallel processes (DDP or FSDP2 over them), each pipeline
-on its own batches.
+than stages, a stage's layers can be split by tensor parallel, and each stage can run on several
+data-parallel processes, each pipeline on its own batches (under ddp the loop averages a stage's
+gradients over its copies; under fsdp FSDP2 shards the stage over them).
 
 Each process keeps its part of the transformers model itself, with the other parts removed (the
 embedding on the first stage, the final norm and head on the last, its run of decoder layers under
@@ -159,8 +160,8 @@ def shard_stage(module: StageModule, cfg, rt: runtime.Runtime, procs) -> StageMo
 
 
 def full_state_dict(model, rt: runtime.Runtime) -> dict:
-    """The whole model's state on rank 0, gathered from the stages' parts (CPU tensors; FSDP2's shards
-    gathered within each stage first)."""
+    """The whole model's state on rank 0, gathered from the stages' parts (CPU tensors; FSDP2's and tensor
+    parallel's shards gathered within each stage first)."""
     from torch.distributed.tensor import DTensor
 
     part = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in model.state_dict().items()}

@@ -78,6 +78,53 @@ def init(timeout_s: int = 1800, cpu_collectives: bool = False) -> Runtime:
     return Runtime(rank, world_size, local_rank, local_world_size, device)
 
 
+PREFLIGHT_EXIT = 3  # a process that gave up waiting for the others in preflight
+
+
+def preflight(rt: Runtime, timeout_s: float | None = None) -> None:
+    """Before a stage reads any data: the world is the size its launcher started (PIPELINE_WORLD_SIZE:
+    processes per node x nodes), and every process joins one all-reduce within `timeout_s` seconds
+    (PIPELINE_PREFLIGHT_TIMEOUT, default 120). A process still waiting then prints why and exits
+    (PREFLIGHT_EXIT): a stage never hangs on a peer that is missing or cannot be reached."""
+    import threading
+
+    from stages.common import config
+
+    expected = os.environ.get("PIPELINE_WORLD_SIZE")
+    if expected and int(expected) != rt.world_size:
+        raise config.UserError(
+            f"preflight: {rt.world_size} processes joined, the stage's resources start {expected} (nproc_per_node x "
+            f"nodes in pipelines/stages.yaml, or PIPELINE_NPROC_PER_NODE); run it through python -m pipelines.launch, "
+            f"or start as many processes as they say"
+        )
+    if not rt.distributed:
+        return
+    timeout_s = float(os.environ.get("PIPELINE_PREFLIGHT_TIMEOUT", 120)) if timeout_s is None else timeout_s
+    joined = threading.Event()
+
+    def give_up():
+        if not joined.is_set():
+            print(
+                f"preflight: rank {rt.rank} of {rt.world_size} waited {timeout_s:.0f} s for the others to join one "
+                f"all-reduce: a process or node is missing, or cannot reach this one (the rendezvous host, a "
+                f"firewall, the interface: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME); raise PIPELINE_PREFLIGHT_TIMEOUT "
+                f"if start-up is slow",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(PREFLIGHT_EXIT)  # (the all-reduce blocks this thread's peer: no clean way out)
+
+    timer = threading.Timer(timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
+    ones = torch.ones(1, device=rt.device)
+    dist.all_reduce(ones)
+    joined.set()
+    timer.cancel()
+    if int(ones.item()) != rt.world_size:
+        raise config.UserError(f"preflight: the all-reduce counted {int(ones.item())} processes of {rt.world_size}")
+
+
 def teardown() -> None:
     """Leave the process group. Drop wrapped (DDP/FSDP) models first: one that outlives its group can
     deadlock gloo's shutdown."""

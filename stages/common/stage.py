@@ -132,6 +132,7 @@ def launch(section: str, body, train: loop.TrainConfig | None = None):
     stop = runtime.handle_signals() if train is not None else runtime.StopFlag()
     stopped = False
     try:
+        runtime.preflight(rt)
         if train is not None:
             check_train(f"{section}.train", train, rt)
         return body(rt, stop)
