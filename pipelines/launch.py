@@ -123,7 +123,7 @@ def layout_problem(stage: str, args: list[str], processes: int) -> str | None:
         return None
     return (
         f"launch: stage {stage} starts {processes} processes (its resources in pipelines/stages.yaml, or "
-        f"PIPELINE_NPROC_PER_NODE), but {stage}.train.{problem}; change the one or the other"
+        f"PIPELINE_NPROC_PER_NODE), but {stage}.train.{problem}"
     )
 
 

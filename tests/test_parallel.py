@@ -43,13 +43,13 @@ def resume(tokenized, out, nproc, args, resume_from, ckpts):
 
 def test_layouts_train_like_one_process_resume_exactly_and_checkpoints_move_between_them(tokenized, monkeypatch):
     monkeypatch.chdir(tokenized)
-    every = ["train.checkpoint_every=2"]
+    every = ["train.steps=10", "train.checkpoint_every=2"]  # (overrides TINY's 8 steps: the later value wins)
     layouts = {
         "tp2": (2, [*every, "train.tensor_parallel=2"]),
         "pp2": (2, [*every, "train.pipeline_parallel=2", "train.pipeline_schedule=gpipe"]),
         "fsdp2-tp2": (4, [*every, "train.strategy=fsdp", "train.tensor_parallel=2"]),
     }
-    single = pretrain.main(["--input", "data/tokenize", "--output", "par-one", *TINY])
+    single = pretrain.main(["--input", "data/tokenize", "--output", "par-one", *TINY, "train.steps=10"])
     ref = np.array(single["history"]["loss"])
     ids = torch.from_numpy(
         np.fromfile(tokenized / "data/tokenize/val_0000.bin", dtype=np.uint16)[:64].astype(np.int64)
@@ -107,7 +107,7 @@ def test_3d_layout_trains_like_one_process(tokenized, monkeypatch):
         (["train.pipeline_schedule=zero_bubble"], "unknown schedule 'zero_bubble'; valid: gpipe, 1f1b"),
         (
             ["train.tensor_parallel=2", "train.pipeline_parallel=2"],
-            "tensor_parallel x pipeline_parallel: 4 does not divide the 1 processes",
+            "pipeline_parallel: tensor_parallel x pipeline_parallel = 4 does not divide the 1 processes",
         ),
     ],
 )
@@ -123,11 +123,17 @@ def test_layout_checks_name_what_does_not_divide():
 
     from stages.common import loop, pipeline
 
-    c = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    sizes = {"intermediate_size": 128, "vocab_size": 512, "tie_word_embeddings": False}
+    c = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, **sizes)
     assert loop.tensor_parallel_problem(c, 2) is None
     assert "2 key/value heads are not divisible by tensor_parallel 4" in loop.tensor_parallel_problem(c, 4)
-    c = SimpleNamespace(num_attention_heads=6, num_key_value_heads=3, intermediate_size=128)
+    c = SimpleNamespace(num_attention_heads=6, num_key_value_heads=3, **sizes)
     assert "128 MLP width (intermediate_size) are not divisible" in loop.tensor_parallel_problem(c, 3)
+    c = SimpleNamespace(num_attention_heads=4, num_key_value_heads=4, **{**sizes, "vocab_size": 510})
+    assert "510 vocabulary entries (vocab_size) are not divisible by tensor_parallel 4" in (
+        loop.tensor_parallel_problem(c, 4)
+    )
+    assert loop.tensor_parallel_problem(SimpleNamespace(**vars(c) | {"tie_word_embeddings": True}), 4) is None
     assert pipeline.layout_problem(4, 2, 2) is None
     assert "3 decoder layers are not divisible by pipeline_parallel 2" in pipeline.layout_problem(3, 2, 2)
     assert "1 micro-batches per pipeline" in pipeline.layout_problem(4, 2, 1)

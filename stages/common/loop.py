@@ -363,11 +363,14 @@ def vocab_parallel_loss(cfg: TrainConfig):
 def tensor_parallel_problem(model_config, degree: int) -> str | None:
     """Why a model cannot be split `degree` ways by tensor_parallelize, or None."""
     c = model_config
-    for name, value in (
+    sizes = [
         ("attention heads", c.num_attention_heads),
         ("key/value heads", c.num_key_value_heads),
         ("MLP width (intermediate_size)", c.intermediate_size),
-    ):
+    ]
+    if not c.tie_word_embeddings:  # (the embedding and head are split by vocabulary, in equal parts)
+        sizes.append(("vocabulary entries (vocab_size)", c.vocab_size))
+    for name, value in sizes:
         if value % degree:
             return f"the model's {value} {name} are not divisible by tensor_parallel {degree}"
     return None

@@ -20,10 +20,9 @@ def layout_problem(
     tp, pp, replicate = tensor_parallel, pipeline_parallel, data_parallel_replicate
     if processes % (tp * pp):
         key, degree = ("tensor_parallel", tp) if pp == 1 else ("pipeline_parallel", pp)
-        if tp > 1 and pp > 1:
-            key, degree = "tensor_parallel x pipeline_parallel", tp * pp
+        what = f"tensor_parallel x pipeline_parallel = {tp * pp}" if tp > 1 and pp > 1 else str(degree)
         return (
-            f"{key}: {degree} does not divide the {processes} processes of this run; start a multiple of {degree} "
+            f"{key}: {what} does not divide the {processes} processes of this run; start a multiple of {tp * pp} "
             f"processes or change it"
         )
     dp = processes // (tp * pp)

@@ -19,6 +19,8 @@ from stages.common import runtime
 SCHEDULES = ("gpipe", "1f1b")
 # Marks a model that is one pipeline stage's part of the whole (see full_state_dict).
 PART = "pipeline_part"
+# Marks the process that sends its stage's part to rank 0 when the model is published.
+PUBLISHER = "pipeline_publisher"
 
 
 def stage_layers(n_layers: int, stages: int, stage: int) -> range:
@@ -111,12 +113,17 @@ class Pipeline:
         self.scale = 1.0
         self.device = rt.device
         module = StageModule(model, self.first, self.last)
-        # Under ddp the loop averages the stage's gradients over its replicas after the step (one flat
-        # all-reduce, as DDP's buckets would send); DDP itself cannot follow a schedule's backward passes.
+        # Under ddp the loop averages the stage's gradients over its replicas after the step: one flat
+        # all-reduce, the bytes DDP's buckets would send, without DDP's bucket rebuilding, which fails
+        # under a schedule's partial backward passes here (torch 2.13, gloo).
         copies = procs is not None and procs["dp_replicate"].size() * procs["dp_shard"].size() > 1
         self.replicas = procs["dp_shard"].get_group() if copies and cfg.strategy == "ddp" else None
         if copies and cfg.strategy == "fsdp":
             module = shard_stage(module, cfg, rt, procs)
+        # One process per stage sends its part when the model is published (its copies and tensor-parallel
+        # peers hold the same part).
+        others = ("dp_replicate", "dp_shard", "tp")
+        setattr(model, PUBLISHER, procs is None or all(procs[d].get_local_rank() == 0 for d in others))
         pipe_stage = PipelineStage(module, self.stage, stages, rt.device, group=self.group)
         kind = ScheduleGPipe if cfg.pipeline_schedule == "gpipe" else Schedule1F1B
         self.schedule = kind(pipe_stage, micro_batches, loss_fn=self._loss, scale_grads=False)
@@ -164,7 +171,10 @@ def full_state_dict(model, rt: runtime.Runtime) -> dict:
     parallel's shards gathered within each stage first)."""
     from torch.distributed.tensor import DTensor
 
+    # (every process gathers its shards: full_tensor is a collective of its copies and peers)
     part = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in model.state_dict().items()}
+    if not getattr(model, PUBLISHER, True):
+        part = {}
     parts = [None] * rt.world_size if rt.is_main else None
     torch.distributed.gather_object(part, parts, dst=0)
     return {k: v for p in parts for k, v in p.items()} if rt.is_main else {}

@@ -117,12 +117,15 @@ def preflight(rt: Runtime, timeout_s: float | None = None) -> None:
     timer = threading.Timer(timeout_s, give_up)
     timer.daemon = True
     timer.start()
-    ones = torch.ones(1, device=rt.device)
-    dist.all_reduce(ones)
-    joined.set()
-    timer.cancel()
-    if int(ones.item()) != rt.world_size:
-        raise config.UserError(f"preflight: the all-reduce counted {int(ones.item())} processes of {rt.world_size}")
+    try:
+        ones = torch.ones(1, device=rt.device)
+        dist.all_reduce(ones)
+        counted = int(ones.item())  # (waits for the result: nccl's all_reduce returns once queued)
+        joined.set()
+    finally:
+        timer.cancel()
+    if counted != rt.world_size:
+        raise config.UserError(f"preflight: the all-reduce counted {counted} processes of {rt.world_size}")
 
 
 def teardown() -> None:
