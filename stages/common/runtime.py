@@ -13,6 +13,7 @@ import gc
 import os
 import random
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -126,6 +127,11 @@ def preflight(rt: Runtime, timeout_s: float | None = None) -> None:
         timer.cancel()
     if counted != rt.world_size:
         raise config.UserError(f"preflight: the all-reduce counted {counted} processes of {rt.world_size}")
+    hosts: dict[str, list[int]] = {}
+    for rank, host in enumerate(gather_objects(socket.gethostname())):
+        hosts.setdefault(host, []).append(rank)
+    where = ", ".join(f"{host} (ranks {','.join(map(str, ranks))})" for host, ranks in hosts.items())
+    print0(f"preflight: {rt.world_size} processes joined on {len(hosts)} host(s): {where}", rt=rt)
 
 
 def teardown() -> None:

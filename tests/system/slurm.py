@@ -163,3 +163,103 @@ def available() -> str | None:
     if missing:
         return f"SLURM/munge not installed ({', '.join(missing)} missing; bash tests/system/install.sh slurm)"
     return None
+
+
+# ---------------------------------------------------------------------------------- two nodes
+NODES = {"pnode1": "10.231.0.11", "pnode2": "10.231.0.12"}
+BRIDGE, CONTROLLER_ADDRESS = "pl-br0", "10.231.0.1"
+
+
+def two_node_conf(state: Path) -> str:
+    """slurm.conf for two compute nodes, each this machine's CPUs and memory at its own address; the
+    controller on the bridge's address; each slurmd's files named by its node (%n)."""
+    conf = slurm_conf(state)
+    host = socket.gethostname().split(".")[0]
+    conf = conf.replace(f"SlurmctldHost={host}", f"SlurmctldHost={host}({CONTROLLER_ADDRESS})")
+    for key, name in (("SlurmdSpoolDir", "d"), ("SlurmdPidFile", "slurmd.pid"), ("SlurmdLogFile", "slurmd.log")):
+        stem, dot, ext = name.partition(".")
+        conf = conf.replace(f"{key}={state}/{name}", f"{key}={state}/{stem}-%n{dot}{ext}")
+    resources = re.sub(r"^NodeName=\S+ ", "", node_line())
+    lines = "\n".join(f"NodeName={n} NodeAddr={a} {resources} State=UNKNOWN" for n, a in NODES.items())
+    return re.sub(r"^NodeName=.*$", lines, conf, flags=re.M)
+
+
+class TwoNodeSlurm(LocalSlurm):
+    """Two SLURM compute nodes on this machine: each slurmd in a network namespace of its own (its own
+    address on a veth pair to a bridge the controller listens on) and a UTS namespace (its own
+    hostname), names in /etc/hosts; slurmctld and munged as for one node. The filesystem is shared, as on
+    a cluster. Everything made is removed at the end: daemons stopped by PID, namespaces, links, the
+    /etc/hosts lines."""
+
+    def __init__(self, state: Path):
+        super().__init__(state)
+        self.saved_hosts: str | None = None
+        self.made: list[list[str]] = []  # commands that undo what was made, in reverse order
+
+    def _ip(self, *args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    def start(self) -> None:
+        for sub in ("ctld", "munge", *(f"d-{n}" for n in NODES)):
+            (self.state / sub).mkdir(parents=True, exist_ok=True)
+        self._ip("link", "add", BRIDGE, "type", "bridge")
+        self.made.append(["link", "del", BRIDGE])
+        self._ip("addr", "add", f"{CONTROLLER_ADDRESS}/24", "dev", BRIDGE)
+        self._ip("link", "set", BRIDGE, "up")
+        for i, (name, address) in enumerate(NODES.items(), 1):
+            ns, veth = f"pl-{name}", f"pl-veth{i}"
+            self._ip("netns", "add", ns)
+            self.made.append(["netns", "del", ns])
+            self._ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            self._ip("link", "set", veth, "master", BRIDGE)
+            self._ip("link", "set", veth, "up")
+            for args in (
+                ("addr", "add", f"{address}/24", "dev", "eth0"),
+                ("link", "set", "eth0", "up"),
+                ("link", "set", "lo", "up"),
+            ):
+                self._ip("-n", ns, *args)
+        hosts = Path("/etc/hosts")
+        self.saved_hosts = hosts.read_text()
+        hosts.write_text(self.saved_hosts + "".join(f"{a} {n}\n" for n, a in NODES.items()))
+        if CONF.exists():
+            self.saved_conf = CONF.read_bytes()
+        CONF.parent.mkdir(parents=True, exist_ok=True)
+        CONF.write_text(two_node_conf(self.state))
+        Path("/run/munge").mkdir(parents=True, exist_ok=True)
+        self._spawn("munged", "--foreground", "--force")
+        self._wait(lambda: subprocess.run(["munge", "-n"], capture_output=True).returncode == 0, "munged", 20)
+        self._spawn("slurmctld", "-D", "-i")
+        for name in NODES:
+            # nsenter, not `ip netns exec`, which mounts a sysfs of its own without /sys/fs/cgroup
+            script = f"hostname {name} && exec slurmd -D"
+            self._spawn("nsenter", f"--net=/run/netns/pl-{name}", "unshare", "--uts", "sh", "-c", script, name)
+        self._wait(self.node_idle, "both slurmd to register idle nodes", 90)
+
+    def node_idle(self) -> bool:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T", "-p", PARTITION], capture_output=True, text=True)
+        return out.returncode == 0 and out.stdout.split() == ["idle"] * len(NODES)
+
+    def stop(self) -> None:
+        super().stop()
+        if self.saved_hosts is not None:
+            Path("/etc/hosts").write_text(self.saved_hosts)
+        for args in reversed(self.made):
+            subprocess.run(["ip", *args], capture_output=True)
+        self.made.clear()
+
+
+def namespaces_available() -> str | None:
+    """Why network namespaces cannot be made here, or None."""
+    import os
+
+    if os.geteuid() != 0:
+        return "needs root to make network namespaces"
+    for c in ("ip", "nsenter", "unshare"):
+        if shutil.which(c) is None:
+            return f"{c} is not installed (iproute2, util-linux)"
+    probe = subprocess.run(["ip", "netns", "add", "pl-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot make a network namespace here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "pl-probe"], capture_output=True)
+    return None
