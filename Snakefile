@@ -82,6 +82,8 @@ for st in STAGES.values():
             mem_mb=st.resources["mem_mb"],
             runtime=st.resources["runtime_min"],
             nodes=st.resources["nodes"],
+            # One task per node: SLURM shrinks an allocation of N nodes with fewer tasks to fewer nodes.
+            tasks=st.resources["nodes"],
             gpus_per_node=st.resources["gpus_per_node"],
             # SLURM counts generic resources per node.
             **({"gres": f"gpu:{st.resources['gpus_per_node']}"} if st.resources["gpus_per_node"] and not CPU_ONLY else {}),

@@ -88,11 +88,17 @@ def rendezvous_problem(host: str, nodes: int) -> str | None:
 
 
 def slurm_hosts(env: dict) -> list[str]:
-    """The allocation's node names, in SLURM's order (the first one hosts the rendezvous)."""
-    out = subprocess.run(
-        ["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], capture_output=True, text=True, check=True
-    )
-    return out.stdout.split()
+    """The allocation's node names, in SLURM's order (the first one hosts the rendezvous). Inside a job
+    step of fewer nodes (Snakemake's `srun -n1` around a rule), SLURM_JOB_NODELIST can name the step's
+    nodes and SLURM_NODELIST the job's: the longer list is the allocation."""
+    lists = dict.fromkeys(env[k] for k in ("SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(k))
+    expanded = [
+        subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+        ).stdout.split()
+        for nodelist in lists
+    ]
+    return max(expanded, key=len, default=[])
 
 
 def layout_problem(stage: str, args: list[str], processes: int) -> str | None:
@@ -155,11 +161,19 @@ def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
                 f"launch: stage {name} asks for {nodes} nodes; run it in a SLURM allocation "
                 "(snakemake --profile pipelines/profiles/slurm) or set its resources.nodes to 1"
             )
-        have = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
+        # The allocation's nodes, from its node list: inside a job step of fewer nodes (Snakemake's own
+        # `srun -n1` around the rule) SLURM's node counts describe the step.
+        hosts = slurm_hosts(env)
+        have = len(hosts) or int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
         if have < nodes:
-            raise SystemExit(f"launch: stage {name} asks for {nodes} nodes, the SLURM allocation has {have}")
+            raise SystemExit(
+                f"launch: stage {name} asks for {nodes} nodes, the SLURM allocation has {have}; submit it with "
+                f"--nodes={nodes} (the slurm profile does, from its resources in pipelines/stages.yaml)"
+            )
         job = int(env["SLURM_JOB_ID"])
-        host = env.get("PIPELINE_RDZV_HOST") or slurm_hosts(env)[0]
+        host = env.get("PIPELINE_RDZV_HOST") or (hosts[0] if hosts else None)
+        if host is None:
+            raise SystemExit(f"launch: stage {name}: no SLURM_JOB_NODELIST to meet on; set PIPELINE_RDZV_HOST")
         problem = rendezvous_problem(host, nodes)
         if problem:
             raise SystemExit(problem)

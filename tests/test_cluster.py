@@ -47,7 +47,12 @@ def test_multi_node_stage_starts_one_torchrun_per_node_with_c10d_on_the_first(mo
     monkeypatch.setattr(launch, "load_table", lambda: with_resources("pretrain", nodes=2, nproc_per_node=4))
     monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
     seen = []
-    monkeypatch.setattr(launch, "slurm_hosts", lambda env: seen.append(env["SLURM_JOB_NODELIST"]) or ["gpu17", "gpu18"])
+
+    def hosts(env):
+        seen.append(env.get("SLURM_JOB_NODELIST"))
+        return ["gpu17", "gpu18"] if env.get("SLURM_JOB_NODELIST") else []
+
+    monkeypatch.setattr(launch, "slurm_hosts", hosts)
     monkeypatch.setattr(launch, "resolve", lambda host: {"gpu17": ["10.0.0.17"]}.get(host, []))
     env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[17-18]"}
     cmd = launch.command("pretrain", ["--input", "data/tokenize"], env)
@@ -61,8 +66,12 @@ def test_multi_node_stage_starts_one_torchrun_per_node_with_c10d_on_the_first(mo
 
     with pytest.raises(SystemExit, match="SLURM allocation"):
         launch.command("pretrain", [], {})
-    with pytest.raises(SystemExit, match="has 1"):
-        launch.command("pretrain", [], {**env, "SLURM_JOB_NUM_NODES": "1"})
+    with pytest.raises(SystemExit, match="has 1; submit it with --nodes=2"):
+        launch.command("pretrain", [], {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "1"})
+    # inside a one-node step of a two-node job (Snakemake's srun around the rule): the node list counts
+    seen.clear()
+    step = {**env, "SLURM_JOB_NUM_NODES": "1", "SLURM_NNODES": "1"}
+    assert "--nnodes=2" in launch.command("pretrain", [], step) and seen == ["gpu[17-18]"]
 
 
 def test_a_rendezvous_host_the_other_nodes_cannot_reach_is_refused(monkeypatch):

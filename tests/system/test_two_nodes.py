@@ -41,8 +41,8 @@ def test_pretrain_on_two_nodes_equals_one_node(two_nodes, tmp_path_factory, mirr
     table.write_text(text.replace(line.group(0), line.group(0).replace(line.group(1), resources)))
     tracking = clone / "cluster-tracking.db"
     out = sh(
-        f"snakemake --profile pipelines/profiles/slurm --config cpu_only=1 mlflow_tracking_uri=sqlite:///{tracking} "
-        f"pretrain",
+        f"snakemake pretrain --profile pipelines/profiles/slurm --config cpu_only=1 "
+        f"mlflow_tracking_uri=sqlite:///{tracking}",
         clone,
         timeout=1800,
     )
