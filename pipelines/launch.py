@@ -185,7 +185,9 @@ def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
             "srun",
             "--overlap",
             f"--nodes={nodes}",
+            f"--ntasks={nodes}",
             "--ntasks-per-node=1",
+            f"--nodelist={','.join(hosts[:nodes])}",
             "--kill-on-bad-exit=1",
             *torchrun,
             f"--nnodes={nodes}",
@@ -242,13 +244,23 @@ def main() -> None:
     stopped = Path(tempfile.gettempdir()) / f"pipeline-stopped-{os.getpid()}"
     stopped.unlink(missing_ok=True)
     # No terminal input: a background process group reading it would be stopped (SIGTTIN).
+    # srun inside a job step of fewer nodes (Snakemake's around a rule) takes that step's nodes and
+    # counts for the allocation's; the torchrun per node needs the job's.
+    base = dict(os.environ)
+    if cmd[0] == "srun":
+        step = ("NTASKS", "NPROCS", "TASKS_PER_NODE", "STEP_NUM_NODES", "JOB_CPUS_PER_NODE")
+        step = tuple(f"SLURM_{name}" for name in step)
+        base = {k: v for k, v in base.items() if k not in step}
+        hosts = slurm_hosts(base)
+        base |= {"SLURM_JOB_NODELIST": ",".join(hosts), "SLURM_NODELIST": ",".join(hosts)}
+        base |= {"SLURM_JOB_NUM_NODES": str(len(hosts)), "SLURM_NNODES": str(len(hosts))}
     child = subprocess.Popen(
         cmd,
         process_group=0,
         preexec_fn=die_with_parent,
         stdin=subprocess.DEVNULL,
         env={
-            **os.environ,
+            **base,
             "PIPELINE_LAUNCHED": "1",
             "PIPELINE_STAGE": sys.argv[1],
             "PIPELINE_STOPPED_FILE": str(stopped),

@@ -57,8 +57,9 @@ def test_multi_node_stage_starts_one_torchrun_per_node_with_c10d_on_the_first(mo
     env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[17-18]"}
     cmd = launch.command("pretrain", ["--input", "data/tokenize"], env)
     assert seen == ["gpu[17-18]"]
-    assert cmd[:5] == ["srun", "--overlap", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
-    assert cmd[5:8] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[:4] == ["srun", "--overlap", "--nodes=2", "--ntasks=2"]
+    assert cmd[4:7] == ["--ntasks-per-node=1", "--nodelist=gpu17,gpu18", "--kill-on-bad-exit=1"]
+    assert cmd[7:10] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--nnodes=2" in cmd and "--nproc-per-node=4" in cmd and "--rdzv-backend=c10d" in cmd
     assert "--rdzv-endpoint=gpu17:29642" in cmd and "--rdzv-id=4242" in cmd
     assert "--rdzv-conf=join_timeout=300" in cmd  # a node that never comes fails the start in 5 minutes
