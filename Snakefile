@@ -17,7 +17,7 @@ import uuid
 
 import yaml
 
-from pipelines.commit import repair as repair_dvc_lock
+from pipelines.commit import hold_pipeline_lock, plans_only, repair as repair_dvc_lock
 from pipelines.dag import check_params, fill, is_dir, load_table
 from snakemake.exceptions import WorkflowError
 from stages.common.config import ConfigError
@@ -38,15 +38,25 @@ if config.get("mlflow_tracking_uri"):
 CPU_ONLY = bool(config.get("cpu_only"))
 
 STAGES = load_table()
-if workflow.is_main_process and not config.get("dump_rules") and not os.environ.get("PIPELINE_NO_SYNC"):
-    repair_dvc_lock()
+if workflow.is_main_process and not config.get("dump_rules"):
+    # One pipeline run at a time in this directory, held until this process exits (pipelines/commit.py).
+    running = hold_pipeline_lock()
+    if running and not plans_only(sys.argv[1:]):
+        raise WorkflowError(
+            f"{running}; wait for it to finish or stop it (Ctrl-C, or scancel its jobs), then run this again: "
+            f"two runs here would rebuild the same outputs. `snakemake -n` shows the plan meanwhile"
+        )
     try:
         check_params("params.yaml")  # a bad key fails here, before Snakemake removes any output
     except ConfigError as e:
         raise WorkflowError(str(e)) from None
-    # Outputs DVC restored or rebuilt count as current when dvc.lock says so, and outputs of stages DVC
-    # sees as changed count as stale (see pipelines/sync.py).
-    align_mtimes()
+    if running:  # a dry run beside a running pipeline: that run owns dvc.lock and the outputs' times
+        print(f"note: {running}; not syncing with DVC (the plan may show its stages as pending)", file=sys.stderr)
+    elif not os.environ.get("PIPELINE_NO_SYNC"):
+        repair_dvc_lock()
+        # Outputs DVC restored or rebuilt count as current when dvc.lock says so, and outputs of stages
+        # DVC sees as changed count as stale (see pipelines/sync.py).
+        align_mtimes()
 with open("params.yaml") as fh:
     PARAMS = yaml.safe_load(fh)
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -31,6 +33,8 @@ import yaml
 LOCK_FILE = Path("dvc.lock")
 GOOD_COPY = Path(".snakemake/dvc.lock.good")
 COMMIT_LOCK = Path(".snakemake/dvc-commit.lock")
+PIPELINE_LOCK = Path(".snakemake/pipeline.lock")
+_held_pipeline_lock = None  # the open file whose flock this process holds until it exits
 
 
 HASH = re.compile(r"[0-9a-f]{32}(\.dir)?")
@@ -104,6 +108,63 @@ def commit_lock():
     with open(COMMIT_LOCK, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         yield
+
+
+READ_ONLY_FLAGS = {
+    "--dry-run",
+    "--dryrun",
+    "--list-rules",
+    "--list",
+    "-l",
+    "--list-target-rules",
+    "--lt",
+    "--rulegraph",
+    "--dag",
+    "--d3dag",
+    "--filegraph",
+    "--summary",
+    "-S",
+    "--detailed-summary",
+    "-D",
+    "--lint",
+    "--version",
+}
+
+
+def plans_only(argv: list[str]) -> bool:
+    """Whether a Snakemake command line only plans or reports (-n, also in a group of short flags like
+    -np; --dry-run, --list-rules, --dag, --summary, ...): it runs nothing, so it needs no lock."""
+    return any(
+        a in READ_ONLY_FLAGS or (a.startswith("-") and not a.startswith("--") and a[1:].isalpha() and "n" in a)
+        for a in argv
+    )
+
+
+def hold_pipeline_lock(path: Path = PIPELINE_LOCK) -> str | None:
+    """Take the lock of a pipeline run in this directory and hold it until this process exits; return
+    None, or why it is held. Snakemake's own directory lock is checked, then written: two invocations
+    started at the same moment can both pass it and rebuild the same outputs. This one is the kernel's
+    (flock): one process gets it, and it goes with the process, even one killed by SIGKILL (no
+    `--unlock` needed afterwards). It holds across login nodes on a filesystem with flock support
+    (NFS with lockd, Lustre mounted with -o flock)."""
+    global _held_pipeline_lock
+    if _held_pipeline_lock is not None:  # this process holds it already (the Snakefile loaded again)
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        return f"another pipeline is running in this directory ({holder})"
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {os.uname().nodename}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    _held_pipeline_lock = handle
+    return None
 
 
 def repair() -> str:

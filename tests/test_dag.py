@@ -3,12 +3,15 @@ Snakemake parses, stage by stage (command without the launcher prefix, deps, par
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, ci_params, stage_env
 
 from pipelines import dag
 
@@ -145,3 +148,55 @@ def test_only_what_dvc_would_rerun_is_made_stale_for_snakemake():
     assert is_stale([{"changed outs": {"data/pretrain": "modified"}}])
     assert not is_stale([{"changed outs": {"data/pretrain": "not in cache"}}]), "after dvc gc: still current"
     assert not is_stale([{"changed deps": {"stages/pretrain.py": "new"}}]), "no dvc.lock entry to compare with"
+
+
+def test_two_pipelines_started_at_once_in_one_directory_one_runs_and_the_other_stops(tmp_path, mirror):
+    """Snakemake's own directory lock is checked, then written: two invocations started together can both
+    pass it. The Snakefile's flock lets exactly one run; the other stops with one message before any job,
+    and the first one's outputs and dvc.lock entry are whole. A dry run beside a running one still plans."""
+    repo = copy_repo(tmp_path)
+    ci_params(repo)
+    env = stage_env(repo)
+    cmd = ["snakemake", "--cores", "1", "prepare_data"]
+    procs = [subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    procs.append(subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    codes = [p.returncode for p in procs]
+    assert sorted(codes) != [0, 0] and 0 in codes, f"exactly one runs: {codes}\n{outs[0][-2000:]}\n{outs[1][-2000:]}"
+    stopped = outs[codes.index(0) ^ 1]
+    assert re.search(r"another pipeline is running in this directory \(pid \d+ on \S+, started ", stopped), stopped
+    assert "wait for it to finish or stop it" in stopped and "Job stats" not in stopped, "stopped before any job"
+    status = subprocess.run(["dvc", "status", "prepare_data"], cwd=repo, env=env, capture_output=True, text=True)
+    assert "up to date" in status.stdout, status.stdout + status.stderr
+    assert json.loads((repo / "data/prepare_data/metrics.json").read_text())
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from pipelines import commit; "
+            "commit.hold_pipeline_lock(); print('held', flush=True); time.sleep(60)",
+        ],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        plan = subprocess.run(
+            ["snakemake", "--cores", "1", "-n", "prepare_data"], cwd=repo, env=env, capture_output=True, text=True
+        )
+        assert plan.returncode == 0 and "not syncing with DVC" in plan.stderr, plan.stderr[-2000:]
+        run = subprocess.run(
+            ["snakemake", "--cores", "1", "-F", "prepare_data"], cwd=repo, env=env, capture_output=True, text=True
+        )
+        assert run.returncode != 0 and f"(pid {holder.pid} on " in run.stderr, run.stderr[-2000:]
+    finally:
+        holder.kill()
+        holder.wait()
+    # The lock went with its holder's SIGKILL: no --unlock needed.
+    again = subprocess.run(
+        ["snakemake", "--cores", "1", "prepare_data"], cwd=repo, env=env, capture_output=True, text=True
+    )
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, again.stderr[-2000:]

@@ -85,17 +85,21 @@ class LocalSlurm:
     def start(self) -> None:
         for sub in ("ctld", "d", "munge"):
             (self.state / sub).mkdir(parents=True, exist_ok=True)
+        self._start_controller(slurm_conf(self.state))
+        self._spawn("slurmd", "-D")
+        self._wait(self.node_idle, "slurmd to register an idle node", 60)
+
+    def _start_controller(self, conf: str) -> None:
+        """Write slurm.conf (keeping the file that was there), then start munged and slurmctld."""
         if CONF.exists():
             self.saved_conf = CONF.read_bytes()
         CONF.parent.mkdir(parents=True, exist_ok=True)
-        CONF.write_text(slurm_conf(self.state))
+        CONF.write_text(conf)
         Path("/run/munge").mkdir(parents=True, exist_ok=True)
         # --force: munged refuses to run as root or with a socket left by an earlier run otherwise.
         self._spawn("munged", "--foreground", "--force")
         self._wait(lambda: subprocess.run(["munge", "-n"], capture_output=True).returncode == 0, "munged", 20)
         self._spawn("slurmctld", "-D", "-i")
-        self._spawn("slurmd", "-D")
-        self._wait(self.node_idle, "slurmd to register an idle node", 60)
 
     def node_idle(self) -> bool:
         out = subprocess.run(["sinfo", "-h", "-o", "%T", "-p", PARTITION], capture_output=True, text=True)
@@ -222,14 +226,7 @@ class TwoNodeSlurm(LocalSlurm):
         hosts = Path("/etc/hosts")
         self.saved_hosts = hosts.read_text()
         hosts.write_text(self.saved_hosts + "".join(f"{a} {n}\n" for n, a in NODES.items()))
-        if CONF.exists():
-            self.saved_conf = CONF.read_bytes()
-        CONF.parent.mkdir(parents=True, exist_ok=True)
-        CONF.write_text(two_node_conf(self.state))
-        Path("/run/munge").mkdir(parents=True, exist_ok=True)
-        self._spawn("munged", "--foreground", "--force")
-        self._wait(lambda: subprocess.run(["munge", "-n"], capture_output=True).returncode == 0, "munged", 20)
-        self._spawn("slurmctld", "-D", "-i")
+        self._start_controller(two_node_conf(self.state))
         for name in NODES:
             # nsenter, not `ip netns exec`, which mounts a sysfs of its own without /sys/fs/cgroup
             script = f"hostname {name} && exec slurmd -D"
