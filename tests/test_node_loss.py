@@ -48,15 +48,15 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def node(tokenized, port: int, ckpts, out: str) -> subprocess.Popen:
+def node(tokenized, port: int, ckpts, out: str, *extra: str, **env) -> subprocess.Popen:
     """One node: a torchrun agent with one process, in a session of its own (killed as a whole)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
     cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=node-loss"]
     cmd += ["--rdzv-conf=join_timeout=60", "-m", "stages.pretrain", "--input", "data/tokenize", "--output", out]
     return subprocess.Popen(
-        [*cmd, *TINY, *STEPS],
+        [*cmd, *TINY, *STEPS, *extra],
         cwd=tokenized,
-        env=stage_env(tokenized, PIPELINE_CHECKPOINTS=str(ckpts)),
+        env=stage_env(tokenized, PIPELINE_CHECKPOINTS=str(ckpts), **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -108,3 +108,42 @@ def test_a_lost_node_fails_the_stage_in_bounded_time_and_one_node_resumes(tokeni
     difference = float(np.max(np.abs(resumed - loss_curve(tokenized, whole.name)) / loss_curve(tokenized, whole.name)))
     print(f"lost {lost}: resumed at step {newest} on one node; largest relative loss difference {difference:.1e}")
     np.testing.assert_allclose(resumed, loss_curve(tokenized, whole.name), rtol=1e-4)
+
+
+def test_each_node_logs_its_system_metrics_into_the_stages_one_run(tokenized):
+    """Two torchrun agents (nodes, here on one machine, told apart by MLflow's node id): one MLflow run
+    for the stage, holding each node's CPU and memory series under system/<node>/."""
+    import mlflow
+
+    uri = f"sqlite:///{tokenized / 'nodes-metrics.db'}"
+    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5"}
+    port, ckpts = free_port(), tokenized / "ckpts-nodes-metrics"
+    agents = []
+    for i in range(2):
+        agents.append(
+            node(
+                tokenized,
+                port,
+                ckpts,
+                "nodes-metrics",
+                "train.steps=60",
+                MLFLOW_SYSTEM_METRICS_NODE_ID=f"node{i}",
+                **env,
+            )
+        )
+        time.sleep(1)
+    try:
+        outs = [a.communicate(timeout=300)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+    assert [a.returncode for a in agents] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    client = mlflow.MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("pipeline").experiment_id], "tags.stage = 'pretrain'")
+    assert run.data.tags["world_size"] == "2" and run.data.tags["nodes"] == socket.gethostname()
+    for n in ("node0", "node1"):
+        for name in ("cpu_utilization_percentage", "system_memory_usage_megabytes"):
+            series = client.get_metric_history(run.info.run_id, f"system/{n}/{name}")
+            assert series and all(m.value >= 0 for m in series), (n, name, sorted(run.data.metrics))
+    assert not [k for k in run.data.metrics if k.startswith("system/") and k.split("/")[1] not in ("node0", "node1")]

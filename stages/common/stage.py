@@ -156,10 +156,12 @@ def inputs_hash(paths, rt: runtime.Runtime) -> str:
 @contextlib.contextmanager
 def tracked(section: str, cfg, inputs, rt: runtime.Runtime, tags: dict | None = None):
     """The stage's MLflow run (params: its whole section), tagged with the content hash of `inputs` (paths,
-    or their hash from `inputs_hash`). Every rank enters it; rank 0 logs. Yields (tracker, inputs hash)."""
+    or their hash from `inputs_hash`). Every rank enters it; rank 0 logs, and the first process of each
+    node its system metrics (track.node_metrics). Yields (tracker, inputs hash)."""
     digest = inputs if isinstance(inputs, str) else inputs_hash(inputs, rt)
     with track.start_run(section, config.as_dict(cfg), digest, rt, tags=tags) as tracker:
-        yield tracker, digest
+        with track.node_metrics(tracker, rt):
+            yield tracker, digest
 
 
 @contextlib.contextmanager

@@ -344,6 +344,47 @@ def record_stage_end(label: str, code: int) -> str | None:
     return parent
 
 
+def system_metrics_off() -> bool:
+    """`PIPELINE_SYSTEM_METRICS=off`: no per-node system metrics (the stage's own metrics are unchanged)."""
+    value = os.environ.get("PIPELINE_SYSTEM_METRICS", "on").strip().lower()
+    if value not in ("on", "off"):
+        from stages.common.config import UserError
+
+        raise UserError(f"PIPELINE_SYSTEM_METRICS must be 'on' or 'off', got {value!r}")
+    return value == "off"
+
+
+@contextlib.contextmanager
+def node_metrics(tracker: Tracker, rt: runtime.Runtime):
+    """Every node's system metrics in the stage's one run: the first process of each node samples its
+    CPU, memory, disk and network (and GPUs, through NVML, where present) with MLflow's
+    SystemMetricsMonitor, named by node: `system/<hostname>/cpu_utilization_percentage`, ... Sampled
+    every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL seconds (MLflow's default: 10). Every rank enters;
+    on success the run stays open until each node has sent its last sample."""
+    run_id = runtime.broadcast_object(tracker.run_id if tracker else None)
+    if run_id and rt.distributed:
+        hosts = runtime.gather_objects(platform.node())
+        tracker.set_tags({"nodes": ",".join(dict.fromkeys(hosts))})  # rank 0's tracker; a no-op elsewhere
+    monitor = None
+    if run_id and rt.local_rank == 0 and not system_metrics_off():
+        import logging
+
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+        monitor = SystemMetricsMonitor(run_id, node_id=platform.node(), tracking_uri=tracking_uri())
+        monitor.start()
+    finished = False
+    try:
+        yield
+        finished = True
+    finally:
+        if monitor is not None:
+            monitor.finish()
+        if finished and run_id and rt.distributed:
+            runtime.barrier()
+
+
 @contextlib.contextmanager
 def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, tags: dict | None = None):
     """Open the stage's MLflow run on rank 0 (yield a Tracker; a silent one on other ranks).
