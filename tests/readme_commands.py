@@ -36,6 +36,11 @@ HOW: dict[str, tuple[str, str]] = {
         "marked",
         SLURM + " and an MLflow server",
     ),
+    "mlflow server --backend-store-uri sqlite:///$HOME/mlflow/mlflow.db --artifacts-destination $HOME/mlflow/artifacts "
+    "--host 0.0.0.0 --port 5000 --workers 2": (
+        "marked",
+        "a server for the cluster's nodes (tests/system/test_two_nodes.py starts one on its bridge address)",
+    ),
     "apptainer build containers/lm.sif containers/lm/apptainer.def": ("marked", "needs apptainer and root"),
     "apptainer build containers/gnn.sif containers/gnn/apptainer.def": ("marked", "needs apptainer and root"),
     'snakemake --profile pipelines/profiles/slurm --software-deployment-method apptainer --apptainer-args "--nv"': (
