@@ -166,7 +166,7 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     assert snakemake_ran(sh("snakemake --cores 2 -n", clone)) == DOWNSTREAM
     (clone / "params.yaml").write_text(params)
     assert UP_TO_DATE in sh("dvc status", clone)
-    # The same through DVC, on a stage near the end of the DAG (the whole chain above takes minutes).
+    # A real re-run through DVC, on a stage near the end of the DAG (the chain after tokenize takes minutes).
     set_growth(clone, 1.3)
     assert dvc_ran(sh("dvc repro", clone)) == {"context_study", "report"}
     assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone), "dvc repro results count for snakemake"
