@@ -20,6 +20,9 @@ from pathlib import Path
 
 CONF = Path("/etc/slurm/slurm.conf")
 PARTITION = "main"
+# The plugin first asks for a job's state 40 s after submitting it, and waits 10 s longer after each
+# round that saw no job finish; 5 s keeps the tests' jobs from idling behind those waits.
+SNAKEMAKE = "snakemake --profile pipelines/profiles/slurm --slurm-init-seconds-before-status-checks 5"
 
 
 def node_line() -> str:

@@ -24,9 +24,6 @@ from pipelines import dag
 pytestmark = [pytest.mark.system, pytest.mark.timeout(3000)]
 STAGES = set(dag.load_table())  # Snakemake rules
 JOBS = [name for st in dag.load_table().values() for name, _ in st.instances()]  # one per foreach item
-# The plugin first asks for a job's state 40 s after submitting it, and waits 10 s longer after each
-# round that saw no job finish; 5 s keeps the test's jobs from idling behind those waits.
-SNAKEMAKE = "snakemake --profile pipelines/profiles/slurm --slurm-init-seconds-before-status-checks 5"
 
 # Files whose bytes differ between two runs of the same code on the same data: the measured timings in
 # them. JSON files among them must still agree once those keys are dropped.
@@ -98,7 +95,7 @@ def test_pipeline_through_slurm_equals_local_run(cluster, tmp_path_factory, mirr
     tracking = remote / "cluster-tracking.db"
     # No GPUs on this node: a GPU request would be refused at sbatch.
     out = sh(
-        f"{SNAKEMAKE} --config cpu_only=1 mlflow_tracking_uri=sqlite:///{tracking}",
+        f"{slurm.SNAKEMAKE} --config cpu_only=1 mlflow_tracking_uri=sqlite:///{tracking}",
         remote,
         timeout=2400,
     )
@@ -137,7 +134,7 @@ def test_pipeline_through_slurm_equals_local_run(cluster, tmp_path_factory, mirr
     assert len({r.data.tags["pipeline_run"] for r in runs}) == 1
     assert not (remote / "mlflow.db").exists(), "nothing logged to the default store"
 
-    assert "Nothing to be done" in sh(f"{SNAKEMAKE} --config cpu_only=1", remote)
+    assert "Nothing to be done" in sh(f"{slurm.SNAKEMAKE} --config cpu_only=1", remote)
     assert "Data and pipelines are up to date." in sh("dvc status", remote)
 
 

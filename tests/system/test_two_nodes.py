@@ -36,7 +36,6 @@ RUN_ID = "two-nodes"
 ON_TWO_NODES = ("pretrain", "finetune_qlora")
 PRETRAIN_STEPS = "pretrain:\n  train:\n    steps: 160\n    checkpoint_every: 20\n"
 FAIL_WITHIN_S = 120  # from killing a node's processes to the end of the stage's SLURM job
-SNAKEMAKE = "snakemake --profile pipelines/profiles/slurm --slurm-init-seconds-before-status-checks 5"
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +108,7 @@ def pipeline(two_nodes, server, tmp_path_factory):
     sh("python -m pipelines.preset two-nodes", clone)
     started = time.monotonic()
     out = sh(
-        f"{SNAKEMAKE} --config cpu_only=1 mlflow_tracking_uri={server}",
+        f"{slurm.SNAKEMAKE} --config cpu_only=1 mlflow_tracking_uri={server}",
         clone,
         timeout=2400,
         PIPELINE_RUN_ID=RUN_ID,
@@ -260,7 +259,7 @@ def test_a_lost_node_fails_the_stage_and_one_node_resumes_with_the_same_losses(p
     clone, _ = pipeline
     whole = losses(clone / "data/pretrain/plots/loss.csv")
     env = env_for(clone, PIPELINE_RUN_ID=f"{RUN_ID}-lost")
-    cmd = f"{SNAKEMAKE} pretrain --forcerun pretrain --config cpu_only=1"
+    cmd = f"{slurm.SNAKEMAKE} pretrain --forcerun pretrain --config cpu_only=1"
     run = subprocess.Popen(
         cmd, shell=True, cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -300,7 +299,9 @@ def test_a_lost_node_fails_the_stage_and_one_node_resumes_with_the_same_losses(p
     table = (clone / "pipelines/stages.yaml").read_text()
     try:
         set_resources(clone, "pretrain", "nodes: 1, nproc_per_node: 1")
-        out = sh(f"{SNAKEMAKE} pretrain --config cpu_only=1", clone, timeout=1200, PIPELINE_RUN_ID=f"{RUN_ID}-resumed")
+        out = sh(
+            f"{slurm.SNAKEMAKE} pretrain --config cpu_only=1", clone, timeout=1200, PIPELINE_RUN_ID=f"{RUN_ID}-resumed"
+        )
     finally:
         (clone / "pipelines/stages.yaml").write_text(table)
         subprocess.run(["scontrol", "update", "NodeName=pnode2", "State=RESUME"], check=True)
