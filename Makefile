@@ -32,19 +32,24 @@ venv: $(STAMP) $(PLOTS_TEMPLATE)
 run: $(STAMP)
 	snakemake --profile pipelines/profiles/local --cores all
 
+# Tests run in TEST_WORKERS pytest-xdist workers, each module's tests in one worker (tests/conftest.py):
+# most of a test's time is process start-up and waits that leave a core idle. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST := python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
 # Lint and format check first (seconds), then the tests.
 test: $(STAMP)
 	ruff check .
 	ruff format --check .
-	python -m pytest -q --durations=25 -m "not long" tests --ignore=tests/system
+	$(PYTEST) --durations=25 -m "not long" tests --ignore=tests/system
 
-# As root: a single-node SLURM running the pipeline, the stage containers built with podman, the MLflow
-# UI in headless Chromium (tests/system/). Installs the Debian packages they need first; each test that
-# cannot run here is skipped with the reason. Then the tests marked long (minutes each).
+# As root: SLURM clusters (one node, and two in network namespaces) running the pipeline, the stage
+# containers built with podman, the MLflow UI in headless Chromium (tests/system/), with the tests marked
+# long (minutes each). Installs the Debian packages they need first; each test that cannot run here is
+# skipped with the reason.
 test-system: $(STAMP)
 	bash tests/system/install.sh
-	python -m pytest -q --durations=15 tests/system
-	python -m pytest -q --durations=5 -m long tests --ignore=tests/system
+	$(PYTEST) --durations=25 -m "system or long" tests
 
 dag: $(STAMP)
 	python -m pipelines.dag write

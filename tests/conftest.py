@@ -15,6 +15,38 @@ _mirror_env = os.environ.get("PIPELINE_DATA_MIRROR")
 MIRROR = Path(_mirror_env) if _mirror_env else ROOT.parent / "shared" / "data"
 
 
+# The longest groups of tests first (minutes on 2 cores), so that the xdist workers finish together.
+LONGEST_FIRST = [
+    "slurm",
+    "local-run",
+    "tests/test_e2e.py",
+    "tests/system/test_containers.py",
+    "tests/test_parallel.py",
+    "tests/test_pretrain.py",
+    "tests/test_extend_context.py",
+    "tests/test_finetune_qlora.py",
+    "tests/test_memory_study.py",
+    "tests/test_node_loss.py",
+    "tests/test_bench.py",
+]
+
+
+def xdist_group(item) -> str:
+    return next(item.iter_markers("xdist_group")).args[0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, as make test runs), the tests of one module run in one
+    worker, so that its module fixtures are made once; a module may name a group it shares with others
+    instead (the SLURM tests: one cluster on this machine at a time). The longest groups go first."""
+    for item in items:
+        if not any(item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(xdist_group(item), len(rank)))
+
+
 # The tiny Llama the stage tests train (2 layers of width 64, context 64): pretrain overrides.
 TINY_MODEL = [
     "model.n_layers=2",
@@ -109,23 +141,44 @@ def workdir(tmp_path, monkeypatch, mirror) -> Path:
     return tmp_path
 
 
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """The folder `name`, filled by make(folder) once per pytest run: by the first test that asks, in
+    whichever pytest-xdist worker; the others wait for it (a file lock) and then only read it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the workers' common folder
+    root, done = shared / name, shared / f"{name}.done"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            make(root)
+            done.touch()
+    return root
+
+
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory, mirror) -> Path:
     """prepare_data on the ci preset, run once per session (a folder holding data/prepare_data)."""
-    root = tmp_path_factory.mktemp("prepared")
-    ci_params(root)
-    run_stage("prepare_data", ["--output", "data/prepare_data"], cwd=root)
-    return root
+
+    def make(root: Path) -> None:
+        ci_params(root)
+        run_stage("prepare_data", ["--output", "data/prepare_data"], cwd=root)
+
+    return made_once(tmp_path_factory, "prepared", make)
 
 
 @pytest.fixture(scope="session")
 def tokenized(prepared, tmp_path_factory) -> Path:
     """prepare_data's output plus tokenize (one process) on the ci preset, in a folder of its own."""
-    root = tmp_path_factory.mktemp("tokenized")
-    shutil.copy(prepared / "params.yaml", root / "params.yaml")
-    shutil.copytree(prepared / "data/prepare_data", root / "data/prepare_data")
-    run_stage("tokenize", ["--input", "data/prepare_data", "--output", "data/tokenize"], cwd=root)
-    return root
+
+    def make(root: Path) -> None:
+        shutil.copy(prepared / "params.yaml", root / "params.yaml")
+        shutil.copytree(prepared / "data/prepare_data", root / "data/prepare_data")
+        run_stage("tokenize", ["--input", "data/prepare_data", "--output", "data/tokenize"], cwd=root)
+
+    return made_once(tmp_path_factory, "tokenized", make)
 
 
 def loss_curve(root: Path, out: str):

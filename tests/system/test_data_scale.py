@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 from conftest import MIRROR, ROOT
 
+pytestmark = pytest.mark.system
 SMALL_MB, RATIO = 8, 4
 TOLERANCE = 0.15
 

@@ -67,17 +67,16 @@ def make_clone(dest: Path) -> Path:
     return dest
 
 
-_local_runs: dict[str, Path] = {}
-
-
 def local_run(tmp_path_factory) -> Path:
-    """A clone in which `snakemake --profile pipelines/profiles/local` ran the ci pipeline once; made on
-    first use and shared by the tests of one pytest session (they only read it)."""
-    if "ci" not in _local_runs:
-        clone = make_clone(tmp_path_factory.mktemp("local-run"))
+    """A clone in which `snakemake --profile pipelines/profiles/local` ran the ci pipeline once; made by the
+    first test that asks (the others, in any xdist worker, wait for it) and only read afterwards."""
+    from conftest import made_once
+
+    def make(clone: Path) -> None:
+        make_clone(clone)
         sh("snakemake --profile pipelines/profiles/local --cores 2", clone)
-        _local_runs["ci"] = clone
-    return _local_runs["ci"]
+
+    return made_once(tmp_path_factory, "local-run", make)
 
 
 def output_hashes(root: Path, folders=("data", "reports")) -> dict[str, str]:
@@ -88,6 +87,76 @@ def output_hashes(root: Path, folders=("data", "reports")) -> dict[str, str]:
             if path.is_file() and path.name != ".snakemake_timestamp":
                 out[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out
+
+
+# Files whose bytes differ between two runs of the same code on the same data: the measured timings in
+# them. JSON files among them must still agree once those keys are dropped.
+TIMINGS = {
+    "tokens_per_s",
+    "tokens_per_cpu_s",
+    "mfu",
+    "encode_s",
+    "tokenizer_train_s",
+    "train_s",
+    "train_s_per_seed",
+    "wall_s",
+    "peak_memory_mb",
+    "peak_mb",
+    "activation_mb",
+    "ours",  # memory_study's rows: ratios of measured memory and speed
+}  # measured, not computed: they vary from run to run
+UNSTABLE = {
+    "data/tokenize/metrics.json": "tokens_per_s",
+    "data/tokenize/figures.json": "encode_s, tokenizer_train_s, tokens_per_s",
+    "data/pretrain/metrics.json": "tokens_per_s, mfu",
+    "data/pretrain/figures.json": "tokens_per_s, mfu",
+    "data/eval_perplexity/pretrain/figures.json": "tokens_per_s per context",
+    "data/extend_context/figures.json": "tokens_per_s per fine-tune",
+    "data/finetune_qlora/nf4/figures.json": "tokens_per_s, peak_memory_mb",
+    "data/finetune_qlora/none/figures.json": "tokens_per_s, peak_memory_mb",
+    "data/eval_perplexity/extend_context/figures.json": "tokens_per_s per context",
+    "data/train_gnn/figures.json": "train_s_per_seed, wall_s",
+    "data/memory_study/figures.json": "peak_mb, activation_mb, tokens_per_s, tokens_per_cpu_s per technique",
+    "data/eval_perplexity/pretrain/metrics.json": "tokens_per_s per context",
+    "data/eval_perplexity/pretrain/table.csv": "its tokens_per_s rows",
+    "data/extend_context/metrics.json": "tokens_per_s per fine-tune",
+    "data/finetune_qlora/nf4/metrics.json": "tokens_per_s, peak_memory_mb",
+    "data/finetune_qlora/none/metrics.json": "tokens_per_s, peak_memory_mb",
+    "data/eval_perplexity/extend_context/metrics.json": "tokens_per_s per context",
+    "data/eval_perplexity/extend_context/table.csv": "its tokens_per_s rows",
+    "data/train_gnn/metrics.json": "train_s_per_seed, wall_s",
+    "data/train_gnn/seeds.json": "train_s per seed",
+    "data/memory_study/metrics.json": "peak_mb, activation_mb, tokens_per_s, tokens_per_cpu_s per technique",
+    "data/memory_study/table.csv": "its measured columns",
+    "data/memory_study/results.json": "rows of measured ratios",
+    "data/memory_study/plots/memory.png": "a plot of measured memory",
+    "reports/results.json": "every stage's metrics, timings included",
+    "reports/results.md": "every stage's metrics, timings included",
+}
+
+
+def without_timings(value):
+    if isinstance(value, dict):
+        return {k: without_timings(v) for k, v in value.items() if k not in TIMINGS}
+    if isinstance(value, list):
+        return [without_timings(v) for v in value]
+    return value
+
+
+def assert_same_outputs(ours: Path, theirs: Path) -> None:
+    """The files under data/ and reports/ of two runs of the ci pipeline are the same, byte for byte,
+    except the files in UNSTABLE; those of them that are JSON agree once their timings are dropped."""
+    import json
+
+    a, b = output_hashes(ours), output_hashes(theirs)
+    assert sorted(a) == sorted(b), "the same files in data/ and reports/"
+    differ = sorted(p for p in a if a[p] != b[p])
+    assert set(differ) <= set(UNSTABLE), f"files differ from the local run: {sorted(set(differ) - set(UNSTABLE))}"
+    assert len(a) > len(UNSTABLE) + 20, "most outputs compared byte for byte"
+    for path in differ:
+        if path.startswith("data/") and path.endswith(".json"):
+            x, y = (json.loads((root / path).read_text()) for root in (ours, theirs))
+            assert without_timings(x) == without_timings(y), f"{path} differs beyond its timings"
 
 
 def need_root() -> None:
