@@ -32,10 +32,11 @@ venv: $(STAMP) $(PLOTS_TEMPLATE)
 run: $(STAMP)
 	snakemake --profile pipelines/profiles/local --cores all
 
-# Tests run in TEST_WORKERS pytest-xdist workers, each module's tests in one worker (tests/conftest.py):
-# most of a test's time is process start-up and waits that leave a core idle. TEST_WORKERS=0: one process.
+# Tests run in TEST_WORKERS pytest-xdist workers, each module's tests in one worker, the longest modules
+# first (tests/conftest.py): much of a test's time is process start-up and waits that leave a core idle.
+# TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-PYTEST := python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+PYTEST := python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Lint and format check first (seconds), then the tests.
 test: $(STAMP)
@@ -43,7 +44,7 @@ test: $(STAMP)
 	ruff format --check .
 	$(PYTEST) --durations=25 -m "not long" tests --ignore=tests/system
 
-# As root: SLURM clusters (one node, and two in network namespaces) running the pipeline, the stage
+# As root: a two-node SLURM cluster (in network namespaces) running the pipeline, the stage
 # containers built with podman, the MLflow UI in headless Chromium (tests/system/), with the tests marked
 # long (minutes each). Installs the Debian packages they need first; each test that cannot run here is
 # skipped with the reason.

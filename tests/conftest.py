@@ -15,10 +15,10 @@ _mirror_env = os.environ.get("PIPELINE_DATA_MIRROR")
 MIRROR = Path(_mirror_env) if _mirror_env else ROOT.parent / "shared" / "data"
 
 
-# The longest groups of tests first (minutes on 2 cores), so that the xdist workers finish together.
+# The longest modules first (minutes on 2 cores), so that the pytest-xdist workers finish together.
 LONGEST_FIRST = [
-    "slurm",
-    "local-run",
+    "tests/system/test_two_nodes.py",
+    "tests/system/test_browser.py",
     "tests/test_e2e.py",
     "tests/system/test_containers.py",
     "tests/test_parallel.py",
@@ -31,20 +31,13 @@ LONGEST_FIRST = [
 ]
 
 
-def xdist_group(item) -> str:
-    return next(item.iter_markers("xdist_group")).args[0]
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, as make test runs), the tests of one module run in one
-    worker, so that its module fixtures are made once; a module may name a group it shares with others
-    instead (the SLURM tests: one cluster on this machine at a time). The longest groups go first."""
-    for item in items:
-        if not any(item.iter_markers("xdist_group")):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    """The longest modules first. make test runs the tests in pytest-xdist workers with `--dist loadfile`
+    (a module's tests in one worker, so its module fixtures are made once) and `--no-loadscope-reorder`
+    (modules handed out in this order)."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(xdist_group(item), len(rank)))
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 # The tiny Llama the stage tests train (2 layers of width 64, context 64): pretrain overrides.

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 LONG_DAG = "long: the whole DAG (tests/test_e2e.py runs it on the ci preset; CI runs make test)"
-SLURM = "cluster: SLURM (tests/system/test_slurm.py runs the pipeline on a SLURM cluster it starts)"
+SLURM = "cluster: SLURM (tests/system/test_two_nodes.py runs the pipeline on a SLURM cluster it starts)"
 EXP = "long: re-runs the stages after the changed param (tests/test_e2e.py runs a dvc exp run)"
 
 HOW: dict[str, tuple[str, str]] = {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Debian packages the system tests need: a single-node SLURM, podman, a browser. Idempotent; as root.
+# Debian packages the system tests need: SLURM (two nodes in network namespaces), podman, a browser. Idempotent; as root.
 #   bash tests/system/install.sh            # everything
 #   bash tests/system/install.sh slurm      # one group: slurm | containers | browser
 set -uo pipefail

@@ -1,7 +1,8 @@
-"""A single-node SLURM cluster on this machine, for the system tests: munged, slurmctld and slurmd in
-the foreground as root (no systemd), started as child processes and stopped by their PIDs.
+"""SLURM clusters on this machine, for the system tests: munged, slurmctld and slurmd in the foreground
+as root (no systemd), started as child processes and stopped by their PIDs. LocalSlurm is one node (this
+machine); TwoNodeSlurm, which the system tests use, two nodes in network namespaces (below).
 
-    with LocalSlurm(tmp_path) as cluster:   # partition "main", all of this node's CPUs and memory
+    with TwoNodeSlurm(tmp_path) as cluster:   # partition "main", each node all of this machine's CPUs
         cluster.wait_job(job_id)
 
 The configuration goes to /etc/slurm/slurm.conf (where srun inside jobs looks, whatever SLURM_CONF

@@ -29,8 +29,7 @@ from workspace import BIN, ROOT, env_for, local_run, sh
 from pipelines import dag
 
 # Image builds and pipeline runs outlast the suite's per-test limit on 2 shared cores.
-# With test_html_report.py: both read local_run (made once; the second waits for the first).
-pytestmark = [pytest.mark.system, pytest.mark.timeout(1800), pytest.mark.xdist_group("local-run")]
+pytestmark = [pytest.mark.system, pytest.mark.timeout(1800)]
 ARTIFACTS = ROOT / "tests" / "system" / "artifacts"
 STAGES = set(dag.load_table())
 

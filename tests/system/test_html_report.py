@@ -14,8 +14,8 @@ from html.parser import HTMLParser
 import pytest
 from workspace import ROOT, local_run, sh
 
-# With test_browser.py: both read local_run (made once; the second waits for the first).
-pytestmark = [pytest.mark.system, pytest.mark.timeout(1800), pytest.mark.xdist_group("local-run")]
+# local_run: made once in the run, by whichever test asks first (the others wait for it).
+pytestmark = [pytest.mark.system, pytest.mark.timeout(1800)]
 
 
 class Tables(HTMLParser):

@@ -11,10 +11,12 @@ nodes reach. Checked, in order (each test builds on the one before):
   - commits from both nodes at once lose no dvc.lock entry;
   - the launcher refuses an allocation short of nodes and a rendezvous host on loopback;
   - losing a node mid-stage: the stage fails within seconds, keeping its checkpoints; with that node
-    down, the stage re-run on one node (half the world) resumes with an uninterrupted run's losses."""
+    down, the stage re-run on one node (half the world) resumes with an uninterrupted run's losses;
+  - a training job preempted with SLURM's warning signal checkpoints, is requeued and resumes."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -31,8 +33,7 @@ from workspace import BIN, assert_same_outputs, env_for, local_run, make_clone, 
 from pipelines import dag
 from stages.common import ckpt
 
-# One SLURM cluster on this machine at a time: the xdist group of test_slurm.py too.
-pytestmark = [pytest.mark.system, pytest.mark.timeout(3600), pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.system, pytest.mark.timeout(3600)]
 
 PORT = 5071
 SERVER = f"http://{slurm.CONTROLLER_ADDRESS}:{PORT}"
@@ -327,3 +328,69 @@ def test_a_lost_node_fails_the_stage_and_one_node_resumes_with_the_same_losses(p
     difference = float(np.max(np.abs(resumed - whole) / whole))
     print(f"resumed at step {newest} on pnode1 alone; largest relative loss difference {difference:.1e}")
     np.testing.assert_allclose(resumed, whole, rtol=1e-4)
+
+
+def test_launcher_expands_the_allocation_hostlist(two_nodes):
+    from pipelines import launch
+
+    assert launch.slurm_hosts({"SLURM_JOB_NODELIST": "gpu[07-09],cpu1"}) == ["gpu07", "gpu08", "gpu09", "cpu1"]
+
+
+def test_warning_signal_checkpoints_requeues_and_resumes(two_nodes, tmp_path_factory, mirror):
+    """A one-node training job preempted with SLURM's warning signal checkpoints and exits, the job is
+    requeued (on either node: the filesystem is shared), and its second start resumes where it stopped."""
+    work = make_clone(tmp_path_factory.mktemp("preempt"))
+    sh("snakemake --profile pipelines/profiles/local --cores 2 tokenize", work)
+    script = work / "pretrain.sbatch"
+    # exec: the batch shell is the launcher itself, so `scancel --batch --signal` reaches it.
+    script.write_text(
+        "#!/bin/bash\nexec python -m pipelines.launch pretrain --input data/tokenize "
+        "--output data/pretrain train.steps=400 train.checkpoint_every=10 train.eval_every=400 train.log_every=10\n"
+    )
+    log = work / "pretrain.log"
+    job_id = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--requeue",
+            "--open-mode=append",
+            "-o",
+            str(log),
+            "-c",
+            "2",
+            "-D",
+            str(work),
+            str(script),
+        ],
+        cwd=work,
+        env=env_for(work),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+    checkpoints = work / "checkpoints" / "pretrain"
+    deadline = time.time() + 600
+    while not list(checkpoints.glob("*/step-*")):
+        assert time.time() < deadline, f"no checkpoint after 600 s:\n{log.read_text()[-3000:]}"
+        assert two_nodes.job(job_id)["JobState"] in ("PENDING", "RUNNING"), log.read_text()[-3000:]
+        time.sleep(1)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
+
+    # The requeued job starts again after SLURM's requeue delay (about 2 minutes). It is not hurried:
+    # until then slurmd still holds the first start's revoked credential and kills an early start.
+    deadline = time.time() + 120
+    while two_nodes.job(job_id)["Restarts"] == "0":
+        assert time.time() < deadline, (
+            f"job {job_id} was not requeued: {two_nodes.job(job_id)}\n{log.read_text()[-3000:]}"
+        )
+        time.sleep(1)
+    info = two_nodes.wait_job(job_id, seconds=900)
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text[-3000:]}"
+    stopped = re.search(r"stopped by SIGTERM after step (\d+); checkpoint saved", text)
+    resumed = re.search(r"resuming from \S+ \(step (\d+)\)", text)
+    assert stopped and resumed, text[-3000:]
+    assert resumed.group(1) == stopped.group(1), "the second start resumes where the first stopped"
+    assert "requeueing job " + job_id in text
+    assert json.loads((work / "data/pretrain/meta.json").read_text())["step"] == 400
