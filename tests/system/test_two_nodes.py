@@ -149,7 +149,7 @@ def test_the_pipeline_runs_across_two_nodes_as_on_one(pipeline, tmp_path_factory
     # asks for two nodes in pipelines/stages.yaml, so the commit its stages record is marked dirty.
     local = local_run(tmp_path_factory)
     head = sh("git rev-parse HEAD", local).strip()
-    assert sh("git rev-parse HEAD", clone).strip() == head
+    assert sh("git rev-parse HEAD", clone).strip() == head, "the clones differ: was the tree edited meanwhile?"
     assert_same_outputs(clone, local, differing_keys={"git_commit": (f"{head}-dirty", head)})
 
     # Stages at the same time on different nodes (tokenize and train_gnn both wait only for prepare_data;
