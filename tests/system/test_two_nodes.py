@@ -41,8 +41,9 @@ RUN_ID = "two-nodes"
 ON_TWO_NODES = ("pretrain", "finetune_qlora")
 # The lost-node test's pretrain: long enough to lose a node in the middle, after two checkpoints.
 PRETRAIN_STEPS = "pretrain:\n  train:\n    steps: 160\n    checkpoint_every: 20\n"
-STAGES = set(dag.load_table())  # Snakemake rules
-JOBS = [name for st in dag.load_table().values() for name, _ in st.instances()]  # one per foreach item
+TABLE = dag.load_table()
+STAGES = set(TABLE)  # Snakemake rules
+JOBS = [name for st in TABLE.values() for name, _ in st.instances()]  # one per foreach item
 FAIL_WITHIN_S = 120  # from killing a node's processes to the end of the stage's SLURM job
 
 

@@ -135,11 +135,12 @@ UNSTABLE = {
 }
 
 
-def without_timings(value):
+def without_keys(value, keys):
+    """value (JSON) without the given keys, at any depth."""
     if isinstance(value, dict):
-        return {k: without_timings(v) for k, v in value.items() if k not in TIMINGS}
+        return {k: without_keys(v, keys) for k, v in value.items() if k not in keys}
     if isinstance(value, list):
-        return [without_timings(v) for v in value]
+        return [without_keys(v, keys) for v in value]
     return value
 
 
@@ -151,11 +152,6 @@ def assert_same_outputs(ours: Path, theirs: Path, differing_keys: dict[str, tupl
     import json
 
     differing_keys = differing_keys or {}
-
-    def without_known(value):
-        if isinstance(value, dict):
-            return {k: without_known(v) for k, v in value.items() if k not in differing_keys}
-        return [without_known(v) for v in value] if isinstance(value, list) else value
 
     def load(root: Path, path: str):
         return json.loads((root / path).read_text())
@@ -169,13 +165,14 @@ def assert_same_outputs(ours: Path, theirs: Path, differing_keys: dict[str, tupl
             if key in x or key in y:
                 assert (x.get(key), y.get(key)) == values, f"{path}: {key} is {x.get(key)!r}, {y.get(key)!r}"
         if path not in UNSTABLE:
-            assert without_known(x) == without_known(y), f"{path} differs from the local run's"
+            known = set(differing_keys)
+            assert without_keys(x, known) == without_keys(y, known), f"{path} differs from the local run's"
             differ.remove(path)
     assert set(differ) <= set(UNSTABLE), f"files differ from the local run: {sorted(set(differ) - set(UNSTABLE))}"
     assert len(a) > len(UNSTABLE) + 20, "most outputs compared byte for byte"
     for path in differ:
         if path.startswith("data/") and path.endswith(".json"):
-            x, y = (without_timings(without_known(load(root, path))) for root in (ours, theirs))
+            x, y = (without_keys(load(root, path), TIMINGS | set(differing_keys)) for root in (ours, theirs))
             assert x == y, f"{path} differs beyond its timings"
 
 
