@@ -12,7 +12,7 @@ export PIPELINE_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shar
 TORCH_INDEX := $(if $(shell command -v nvidia-smi),,--extra-index-url https://download.pytorch.org/whl/cpu)
 MLFLOW_PORT ?= 5000
 
-.PHONY: run test test-system venv dag bench mlflow-ui html-report plots exp-show lock clean
+.PHONY: run lint test test-system venv dag bench mlflow-ui html-report plots exp-show lock clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -36,13 +36,17 @@ run: $(STAMP)
 # first (tests/conftest.py): much of a test's time is process start-up and waits that leave a core idle.
 # TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-PYTEST := python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# PYTEST_ARGS: more pytest options (.ci/run adds a JUnit report).
+PYTEST := python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
-# Lint and format check first (seconds), then the tests.
-test: $(STAMP)
+lint: $(STAMP)
 	ruff check .
 	ruff format --check .
-	$(PYTEST) --durations=25 -m "not long" tests --ignore=tests/system
+
+# Lint and format check first (seconds), then the tests. The tests that read a whole ci pipeline run share
+# one, made by the first that asks and kept for this tree in .cache/ci-run/ (tests/shared_run.py).
+test: lint
+	$(PYTEST) -m "not long" tests --ignore=tests/system
 
 # As root: a two-node SLURM cluster (in network namespaces) running the pipeline, the stage
 # containers built with podman, the MLflow UI in headless Chromium (tests/system/), with the tests marked
@@ -50,7 +54,7 @@ test: $(STAMP)
 # skipped with the reason.
 test-system: $(STAMP)
 	bash tests/system/install.sh
-	$(PYTEST) --durations=25 -m "system or long" tests
+	$(PYTEST) -m "system or long" tests
 
 dag: $(STAMP)
 	python -m pipelines.dag write
@@ -91,4 +95,4 @@ lock: $(STAMP)
 	mv requirements.lock.new requirements.lock
 
 clean:
-	rm -rf data/*/ reports/* logs .snakemake checkpoints mlflow.db mlflow.db.lock mlartifacts report.html snakemake-report.html
+	rm -rf .cache data/*/ reports/* logs .snakemake checkpoints mlflow.db mlflow.db.lock mlartifacts report.html snakemake-report.html

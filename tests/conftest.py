@@ -15,13 +15,18 @@ _mirror_env = os.environ.get("PIPELINE_DATA_MIRROR")
 MIRROR = Path(_mirror_env) if _mirror_env else ROOT.parent / "shared" / "data"
 
 
-# The longest modules first (minutes on 2 cores), so that the pytest-xdist workers finish together.
-LONGEST_FIRST = [
+# The order in which the pytest-xdist workers take the modules: the longest first, so that the workers
+# finish together. A worker is handed its next module while it still runs its last queued test (xdist keeps
+# two tests queued), so the third module waits behind the first one's single test: in make test, the e2e
+# records, which read the shared ci run (tests/shared_run.py) that tests/test_e2e.py makes first; the
+# other worker starts with test_parallel meanwhile. The README commands read that run too: last.
+ORDER = [
     "tests/system/test_two_nodes.py",
-    "tests/system/test_browser.py",
     "tests/test_e2e.py",
-    "tests/system/test_containers.py",
     "tests/test_parallel.py",
+    "tests/test_e2e_records.py",
+    "tests/system/test_browser.py",
+    "tests/system/test_containers.py",
     "tests/test_pretrain.py",
     "tests/test_extend_context.py",
     "tests/test_finetune_qlora.py",
@@ -29,15 +34,16 @@ LONGEST_FIRST = [
     "tests/test_node_loss.py",
     "tests/test_bench.py",
 ]
+LAST = ["tests/test_readme_commands.py"]
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """The longest modules first. make test runs the tests in pytest-xdist workers with `--dist loadfile`
-    (a module's tests in one worker, so its module fixtures are made once) and `--no-loadscope-reorder`
-    (modules handed out in this order)."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+    """Modules in ORDER, then the others, then LAST. make test runs the tests in pytest-xdist workers with
+    `--dist loadfile` (a module's tests in one worker, so its module fixtures are made once) and
+    `--no-loadscope-reorder` (modules handed out in this order)."""
+    rank = {name: i for i, name in enumerate(ORDER)} | {name: len(ORDER) + 1 + i for i, name in enumerate(LAST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(ORDER)))
 
 
 # The tiny Llama the stage tests train (2 layers of width 64, context 64): pretrain overrides.

@@ -1,7 +1,7 @@
 """The shell commands of README.md, each with how the tests try it.
 
 Every command line of every ```bash block of the README is in `HOW`, with one of:
-    run      run as written in the end-to-end test's clone after its pipeline run (ci preset)
+    run      run as written in a copy of the shared ci pipeline run (tests/shared_run.py)
     check    a stage command: run there with `--check` (command line and params checked, no compute)
     make     a make target: `make -n` (the recipe resolves; nothing runs)
     marked   not run, with the reason (GPU, cluster, network, long, or run by another test)

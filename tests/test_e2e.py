@@ -1,4 +1,5 @@
-"""The real DAG on the ci preset, through `snakemake --cores 2` and `dvc repro`, in a scratch clone.
+"""The real DAG on the ci preset, through `snakemake` and `dvc repro`, in a copy of the ci run shared by
+the tests (tests/shared_run.py: `snakemake --profile pipelines/profiles/local` in a fresh clone).
 
 Both tools must agree on what is current: re-running either with nothing changed runs nothing; a params
 change re-runs the stage and what follows; a deleted output re-runs only its stage and dependents;
@@ -14,13 +15,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import MIRROR, ROOT
+from conftest import ROOT
+from shared_run import copy_of_run, env_for, sh, snakemake_output
 
 pytestmark = pytest.mark.e2e
 UP_TO_DATE = "Data and pipelines are up to date."
@@ -35,25 +36,6 @@ DOWNSTREAM = {
     "memory_study",
     "report",
 }
-
-
-def env_for(cwd: Path) -> dict:
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "PIPELINE_DATA_MIRROR": str(MIRROR),
-        "PYTHONPATH": str(cwd),
-    }
-    for key in ("MLFLOW_TRACKING_URI", "PIPELINE_RUN_ID", "PIPELINE_SNAKEMAKE"):
-        env.pop(key, None)  # the embedded defaults: sqlite in the clone, one group per invocation
-    return env
-
-
-def sh(cmd: str, cwd: Path) -> str:
-    proc = subprocess.run(cmd, shell=True, cwd=cwd, env=env_for(cwd), capture_output=True, text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"`{cmd}` failed:\n{out[-6000:]}"
-    return out
 
 
 def snakemake_ran(out: str) -> set[str]:
@@ -76,22 +58,9 @@ def set_growth(clone: Path, value: float) -> None:
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory, mirror) -> Path:
-    """The working tree (tracked and new files) as a fresh git repository, with the ci preset."""
-    dest = tmp_path_factory.mktemp("clone")
-    files = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
-    ).stdout.split(b"\0")
-    for name in filter(None, files):
-        src = ROOT / name.decode()
-        if src.is_file():
-            (dest / name.decode()).parent.mkdir(parents=True, exist_ok=True)
-            (dest / name.decode()).write_bytes(src.read_bytes())
-    sh(
-        "git init -q && python -m pipelines.preset ci && git add -A && "
-        "git -c user.name=ci -c user.email=ci@localhost commit -qm clone",
-        dest,
-    )
-    return dest
+    """A private copy of the ci run shared by the tests (tests/shared_run.py): a fresh git repository of
+    the working tree with the ci preset, in which `snakemake --profile pipelines/profiles/local` ran."""
+    return copy_of_run(tmp_path_factory.mktemp("e2e") / "clone")
 
 
 def mlflow_groups(clone: Path) -> dict[str, list[str]]:
@@ -113,8 +82,7 @@ def mlflow_groups(clone: Path) -> dict[str, list[str]]:
 
 @pytest.mark.timeout(3600)  # the whole DAG on 2 cores, then the part after tokenize again
 def test_snakemake_and_dvc_agree_on_what_is_current(clone):
-    out = sh("snakemake --cores 2", clone)
-    assert snakemake_ran(out) == {"prepare_data", *DOWNSTREAM, "train_gnn"}
+    assert snakemake_ran(snakemake_output()) == {"prepare_data", *DOWNSTREAM, "train_gnn"}
     assert UP_TO_DATE in sh("dvc status", clone), "snakemake commits every stage to dvc.lock"
     import mlflow
 
@@ -141,8 +109,6 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     # Our perplexities against the run recorded for the ci params (pipelines/recorded.yaml): all within tolerance.
     regression = json.loads((clone / "reports/results.json").read_text())["regression"]
     assert len(regression["rows"]) == 4 + 7 * 4 and all(r["pass"] for r in regression["rows"]), regression
-
-    check_registry(clone)
 
     assert "Nothing to be done" in sh("snakemake --cores 2", clone)
     assert dvc_ran(sh("dvc repro", clone)) == set()
@@ -221,152 +187,6 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     assert by_tool["smk-"] == sorted(map(str, [full, study]))
     assert by_tool["dvc-"] == [str(study)] * 2  # dvc repro, dvc exp run
     assert len(groups) == 4
-
-    # dvc.lock emptied by a kill in the middle of a `dvc commit`: Snakemake restores its last good copy
-    # when it loads (every load refreshes that copy), and both tools see everything current again.
-    sh("snakemake --cores 2 -n", clone)
-    (clone / "dvc.lock").write_text("")
-    out = sh("snakemake --cores 2 -n", clone)
-    assert "dvc.lock was damaged (it holds no stages)" in out and "Nothing to be done" in out, out[-3000:]
-    assert UP_TO_DATE in sh("dvc status", clone)
-
-    # The environment's snakemake started by its path, without the environment on PATH: the rules run its
-    # python and dvc, not the system's.
-    bare = {**env_for(clone), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "snakemake"),
-            "context_study",
-            "--cores",
-            "2",
-            "--forcerun",
-            "context_study",
-        ],
-        cwd=clone,
-        env=bare,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0 and snakemake_ran(proc.stdout + proc.stderr) == {"context_study"}, proc.stderr[-3000:]
-    assert "context_study:" not in sh("dvc status", clone), "the rule's dvc commit ran too"
-
-    # A stage that stops before it opens its MLflow run still marks its invocation's run FAILED. Under
-    # DVC: bad params. Under Snakemake (its load checks params before any job): a damaged input, with
-    # PIPELINE_NO_SYNC so that it does not first re-run the stage that wrote it.
-    client = mlflow.MlflowClient(f"sqlite:///{clone / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("pipeline").experiment_id
-
-    def failed_parents() -> list:
-        return client.search_runs([experiment], "tags.pipeline_role = 'parent' and attributes.status = 'FAILED'")
-
-    params = (clone / "params.yaml").read_text()
-    try:
-        set_growth(clone, 0.5)
-        proc = subprocess.run(
-            "dvc repro context_study", shell=True, cwd=clone, env=env_for(clone), capture_output=True, text=True
-        )
-        assert proc.returncode != 0 and "unscaled_growth must be >= 1" in proc.stdout + proc.stderr, proc.stderr[-2000:]
-    finally:
-        (clone / "params.yaml").write_text(params)
-    (failed,) = failed_parents()
-    assert failed.data.tags["pipeline_run"].startswith("dvc-")
-    assert failed.data.tags["unfinished_stages"] == "context_study:FAILED"
-
-    figures = clone / "data/eval_perplexity/extend_context/figures.json"
-    saved = figures.read_bytes()
-    figures.unlink()
-    try:
-        proc = subprocess.run(
-            "snakemake --cores 2 --forcerun context_study context_study",
-            shell=True,
-            cwd=clone,
-            env={**env_for(clone), "PIPELINE_NO_SYNC": "1"},
-            capture_output=True,
-            text=True,
-        )
-        assert proc.returncode != 0 and "figures.json not found" in (clone / "logs/context_study.log").read_text()
-    finally:
-        figures.write_bytes(saved)
-        sh("dvc checkout context_study", clone)  # Snakemake removed the failed job's output
-    smk = [r for r in failed_parents() if r.data.tags["pipeline_run"].startswith("smk-")]
-    assert len(smk) == 1 and smk[0].data.tags["unfinished_stages"] == "context_study:FAILED"
-    assert UP_TO_DATE in sh("dvc status", clone)
-    assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
-
-
-def check_registry(clone: Path) -> None:
-    """After a whole pipeline: every published model is a registered version whose lineage is dvc.lock's,
-    the report set the alias `reproduced` on the models whose rows pass, and eval_perplexity reads a
-    registered model by alias with the numbers of its folder."""
-    import mlflow
-
-    client = mlflow.MlflowClient(f"sqlite:///{clone / 'mlflow.db'}")
-    variants = [
-        f"extend_context-{v}" for v in json.loads((clone / "data/extend_context/meta.json").read_text())["variants"]
-    ]
-    models = {m.name: m for m in client.search_registered_models()}
-    assert set(models) == {"pretrain", "finetune_qlora-nf4", "finetune_qlora-none", *variants}
-    lock = yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
-    for stage, name, deps in (
-        ("pretrain", "pretrain", ["data/tokenize"]),
-        ("extend_context", variants[0], ["data/tokenize"]),
-        ("finetune_qlora@nf4", "finetune_qlora-nf4", []),
-    ):
-        (version,) = client.search_model_versions(f"name = '{name}'")
-        assert version.tags["output_dvc_md5"] == lock[stage]["outs"][0]["md5"], name
-        for dep in lock[stage]["deps"]:
-            if dep["path"] in deps:
-                assert version.tags[f"input.{dep['path']}"] == dep["md5"], (name, dep["path"])
-    results = json.loads((clone / "reports/results.json").read_text())
-    nf4 = [r["pass"] for r in results["rows"] if r["stage"] == "finetune_qlora/nf4"]
-    expected = {"pretrain", *variants} | ({"finetune_qlora-nf4"} if nf4 and all(nf4) else set())
-    assert {name for name, m in models.items() if "reproduced" in m.aliases} == expected
-    sh(
-        "python -m stages.eval_perplexity --models folder=data/pretrain/model models:/pretrain@reproduced "
-        "--input data/tokenize --output ../registered_eval contexts=[64] max_tokens=4000",
-        clone,
-    )
-    figures = json.loads((clone.parent / "registered_eval/figures.json").read_text())["models"]
-    assert figures["pretrain"]["ctx64"]["nll"] == figures["folder"]["ctx64"]["nll"]
-
-
-@pytest.mark.timeout(900)
-def test_readme_commands_run_as_written(clone):
-    """After the run above: the README's commands marked `run` run as written; its stage commands pass
-    `--check` (their command line and params overrides, no compute); see tests/readme_commands.py."""
-    import readme_commands
-
-    # a text longer than the longest context evaluated
-    (clone / "notes.txt").write_text((MIRROR / "tinyshakespeare/input.txt").read_text()[:60_000])
-    params = (clone / "params.yaml").read_text()  # as the test above left them
-    ran = []
-    for command, (how, _) in readme_commands.HOW.items():
-        if how == "check":
-            sh(re.sub(r"^torchrun --nproc-per-node \d+ ", "python ", command) + " --check", clone)
-            ran.append(command)
-        elif how == "run" and "pipelines.preset" not in command:
-            out = sh(command, clone)
-            if command.startswith(("dvc repro", "snakemake --cores")):
-                assert not dvc_ran(out) and not snakemake_ran(out), f"`{command}` ran stages: {out[-3000:]}"
-            ran.append(command)
-    # The metrics-only view of `dvc exp show`: one column per headline metric, no params or hashes.
-    recipe = sh("make --no-print-directory -n exp-show", clone).strip()
-    header = next(csv.reader(io.StringIO(sh(recipe + " --csv", clone))))
-    fixed = {"Experiment", "rev", "typ", "Created", "parent", "State", "Executor"}
-    metrics = [c for c in header if c not in fixed]
-    assert 0 < len(metrics) <= 40 and not [c for c in metrics if c.startswith(("pretrain.", "stages/"))], header
-    kept = next(csv.reader(io.StringIO(sh(recipe + " --keep 'pretrain\\.train\\.lr$' --csv", clone))))
-    assert "pretrain.train.lr" in kept
-    # The eval example with an adapter wrote where it says; then the preset example, undone after.
-    assert (clone / "data/eval_perplexity/compare/metrics.json").is_file()
-    sh("rm -rf data/eval_perplexity/compare", clone)
-    sh("python -m pipelines.preset llama3-8b-qlora", clone)
-    assert "meta-llama/Meta-Llama-3-8B" in (clone / "params.yaml").read_text()
-    ran.append("python -m pipelines.preset llama3-8b-qlora")
-    (clone / "params.yaml").write_text(params)
-    assert UP_TO_DATE in sh("dvc status", clone)
-    assert len(ran) == sum(how in ("run", "check") for how, _ in readme_commands.HOW.values())
 
 
 def kill_everything_in(folder: Path) -> int:

@@ -1,4 +1,4 @@
-"""The README's shell commands: each is tried (here, or in tests/test_e2e.py's clone) or marked with the
+"""The README's shell commands: each is tried (here, or in tests/test_readme_commands.py) or marked with the
 reason it is not (tests/readme_commands.py). Here, fast, for every command: its program exists, the
 repository paths it names exist, the data paths it reads are outputs of the DAG, and make targets resolve."""
 

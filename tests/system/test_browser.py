@@ -63,7 +63,7 @@ def server(tmp_path_factory, mirror):
     which a second invocation added a stage that failed on bad params before opening its run."""
     if chromium() is None:
         pytest.skip("Chromium not installed (bash tests/system/install.sh browser)")
-    clone = local_run(tmp_path_factory)
+    clone = local_run()
     store = tmp_path_factory.mktemp("mlflow-store") / "mlflow.db"
     shutil.copy(clone / "mlflow.db", store)  # the shared run stays as it was
     env = {**env_for(clone), "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
@@ -246,7 +246,7 @@ def test_dvc_plots_render_offline_in_chromium(tmp_path_factory, mirror, tmp_path
     with the network cut off: the page template carries the Vega libraries instead of loading them from a CDN."""
     if chromium() is None:
         pytest.skip("Chromium not installed (bash tests/system/install.sh browser)")
-    clone = local_run(tmp_path_factory)
+    clone = local_run()
     recipe = sh("make --no-print-directory -n plots", clone)
     assert "python -m pipelines.plots" in recipe and "dvc plots show --html-template" in recipe
     sh("python -m pipelines.plots", clone)

@@ -14,7 +14,7 @@ from html.parser import HTMLParser
 import pytest
 from workspace import ROOT, local_run, sh
 
-# local_run: made once in the run, by whichever test asks first (the others wait for it).
+# local_run: the ci run shared with make test (tests/shared_run.py), made by whichever test asks first.
 pytestmark = [pytest.mark.system, pytest.mark.timeout(1800)]
 
 
@@ -46,7 +46,7 @@ class Tables(HTMLParser):
 
 
 def test_html_report_of_a_pipeline_run(tmp_path_factory, mirror):
-    run = local_run(tmp_path_factory)
+    run = local_run()
     out = tmp_path_factory.mktemp("html") / "report.html"
     sh(f"python -m pipelines.html_report --output {out}", run)
     results = json.loads((run / "reports/results.json").read_text())

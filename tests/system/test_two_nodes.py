@@ -148,7 +148,7 @@ def test_the_pipeline_runs_across_two_nodes_as_on_one(pipeline, tmp_path_factory
     # The same world size on one machine, through the local profile: the same outputs, byte for byte
     # (losses, models, tokenizer, tables), timings excepted. The two clones are the same commit; this one
     # asks for two nodes in pipelines/stages.yaml, so the commit its stages record is marked dirty.
-    local = local_run(tmp_path_factory)
+    local = local_run()
     head = sh("git rev-parse HEAD", local).strip()
     assert sh("git rev-parse HEAD", clone).strip() == head, "the clones differ: was the tree edited meanwhile?"
     assert_same_outputs(clone, local, differing_keys={"git_commit": (f"{head}-dirty", head)})

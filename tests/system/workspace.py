@@ -7,86 +7,20 @@ runs it first). Each test skips with the reason when what it needs is missing.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from shared_run import BIN, MIRROR, ROOT, env_for, make_clone, output_hashes, sh, shared_run
 
-ROOT = Path(__file__).resolve().parents[2]
-_mirror = os.environ.get("PIPELINE_DATA_MIRROR")
-MIRROR = Path(_mirror) if _mirror else ROOT.parent / "shared" / "data"
-BIN = Path(sys.executable).parent
+__all__ = ["BIN", "MIRROR", "ROOT", "env_for", "make_clone", "output_hashes", "sh"]
 
 
-def env_for(cwd: Path, **extra) -> dict:
-    env = {
-        **os.environ,
-        "PATH": f"{BIN}:{os.environ['PATH']}",
-        "PIPELINE_DATA_MIRROR": str(MIRROR),
-        "PYTHONPATH": str(cwd),
-        **extra,
-    }
-    for key in ("MLFLOW_TRACKING_URI", "PIPELINE_RUN_ID", "PIPELINE_SNAKEMAKE"):
-        if key not in extra:
-            env.pop(key, None)
-    return env
-
-
-def sh(cmd: str, cwd: Path, timeout: int = 1200, check: bool = True, **extra) -> str:
-    proc = subprocess.run(
-        cmd, shell=True, cwd=cwd, env=env_for(cwd, **extra), capture_output=True, text=True, timeout=timeout
-    )
-    out = proc.stdout + proc.stderr
-    if check:
-        assert proc.returncode == 0, f"`{cmd}` failed ({proc.returncode}):\n{out[-6000:]}"
-    return out
-
-
-def make_clone(dest: Path) -> Path:
-    """The working tree (tracked and new files) as a fresh git repository, with the ci preset."""
-    files = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
-    ).stdout.split(b"\0")
-    for name in filter(None, files):
-        src = ROOT / name.decode()
-        if src.is_file():
-            (dest / name.decode()).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / name.decode())
-    # A fixed date: clones of the same tree get the same commit id, which stages record in their outputs.
-    sh(
-        "git init -q && python -m pipelines.preset ci && git add -A && "
-        "git -c user.name=ci -c user.email=ci@localhost commit -qm clone",
-        dest,
-        GIT_AUTHOR_DATE="2000-01-01T00:00:00Z",
-        GIT_COMMITTER_DATE="2000-01-01T00:00:00Z",
-    )
-    return dest
-
-
-def local_run(tmp_path_factory) -> Path:
-    """A clone in which `snakemake --profile pipelines/profiles/local` ran the ci pipeline once; made by the
-    first test that asks (the others, in any xdist worker, wait for it) and only read afterwards."""
-    from conftest import made_once
-
-    def make(clone: Path) -> None:
-        make_clone(clone)
-        sh("snakemake --profile pipelines/profiles/local --cores 2", clone)
-
-    return made_once(tmp_path_factory, "local-run", make)
-
-
-def output_hashes(root: Path, folders=("data", "reports")) -> dict[str, str]:
-    """sha256 of every file under the pipeline's output folders, by path relative to root."""
-    out = {}
-    for folder in folders:
-        for path in sorted((root / folder).rglob("*")):
-            if path.is_file() and path.name != ".snakemake_timestamp":
-                out[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return out
+def local_run() -> Path:
+    """The clone in which `snakemake --profile pipelines/profiles/local` ran the ci pipeline: the run
+    shared with make test (tests/shared_run.py), made by the first test that asks; only read."""
+    return shared_run()
 
 
 # Files whose bytes differ between two runs of the same code on the same data: the measured timings in

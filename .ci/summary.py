@@ -1,0 +1,50 @@
+"""Print CI's phase times (.ci/run writes them to REPORTS/phases.tsv) and, for each pytest phase, its
+pytest time, its counts and its slowest tests (setup, call and teardown together) from its JUnit XML.
+
+    python3 .ci/summary.py REPORTS [--slowest N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+
+
+def pytest_figures(junit: Path, slowest: int) -> list[str]:
+    if not junit.is_file():
+        return ["    (no JUnit report: pytest did not finish)"]
+    root = ET.parse(junit).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    lines = [
+        f"    pytest {minutes(float(suite.get('time', 0)))}: {passed} passed, {counts['failures']} failed, "
+        f"{counts['errors']} errors, {counts['skipped']} skipped"
+    ]
+    cases = sorted(suite.iter("testcase"), key=lambda c: float(c.get("time", 0)), reverse=True)
+    for case in cases[:slowest]:
+        name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        lines.append(f"    {float(case.get('time', 0)):7.1f} s  {name}")
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("reports", type=Path)
+    parser.add_argument("--slowest", type=int, default=10)
+    args = parser.parse_args(argv)
+    rows = [line.split("\t") for line in (args.reports / "phases.tsv").read_text().splitlines() if line]
+    for name, seconds, code, junit in rows:
+        status = "ok" if code == "0" else f"FAILED (exit {code})"
+        print(f"{name:<18} {minutes(float(seconds)):>13}  {status}")
+        if junit != "-":
+            print("\n".join(pytest_figures(Path(junit), args.slowest)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""On a copy of the shared ci run (tests/shared_run.py), what a finished pipeline leaves and what a user
+may do to it next: the model registry it filled (lineage from dvc.lock, the alias `reproduced` by the
+report's rows, models read back by alias); a dvc.lock emptied by a kill during a commit, restored;
+the environment's snakemake started by its path; and an invocation whose stage fails before it opens its
+MLflow run, recorded FAILED under either tool. tests/test_e2e.py checks that both tools agree on what is
+current."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from shared_run import copy_of_run, env_for, sh
+from test_e2e import UP_TO_DATE, set_growth, snakemake_ran
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory, mirror) -> Path:
+    return copy_of_run(tmp_path_factory.mktemp("records") / "clone")
+
+
+def test_models_are_registered_with_their_lineage_and_read_by_alias(clone):
+    """After a whole pipeline: every published model is a registered version whose lineage is dvc.lock's,
+    the report set the alias `reproduced` on the models whose rows pass, and eval_perplexity reads a
+    registered model by alias with the numbers of its folder."""
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{clone / 'mlflow.db'}")
+    variants = [
+        f"extend_context-{v}" for v in json.loads((clone / "data/extend_context/meta.json").read_text())["variants"]
+    ]
+    models = {m.name: m for m in client.search_registered_models()}
+    assert set(models) == {"pretrain", "finetune_qlora-nf4", "finetune_qlora-none", *variants}
+    lock = yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
+    for stage, name, deps in (
+        ("pretrain", "pretrain", ["data/tokenize"]),
+        ("extend_context", variants[0], ["data/tokenize"]),
+        ("finetune_qlora@nf4", "finetune_qlora-nf4", []),
+    ):
+        (version,) = client.search_model_versions(f"name = '{name}'")
+        assert version.tags["output_dvc_md5"] == lock[stage]["outs"][0]["md5"], name
+        for dep in lock[stage]["deps"]:
+            if dep["path"] in deps:
+                assert version.tags[f"input.{dep['path']}"] == dep["md5"], (name, dep["path"])
+    results = json.loads((clone / "reports/results.json").read_text())
+    nf4 = [r["pass"] for r in results["rows"] if r["stage"] == "finetune_qlora/nf4"]
+    expected = {"pretrain", *variants} | ({"finetune_qlora-nf4"} if nf4 and all(nf4) else set())
+    assert {name for name, m in models.items() if "reproduced" in m.aliases} == expected
+    sh(
+        "python -m stages.eval_perplexity --models folder=data/pretrain/model models:/pretrain@reproduced "
+        "--input data/tokenize --output ../registered_eval contexts=[64] max_tokens=4000",
+        clone,
+    )
+    figures = json.loads((clone.parent / "registered_eval/figures.json").read_text())["models"]
+    assert figures["pretrain"]["ctx64"]["nll"] == figures["folder"]["ctx64"]["nll"]
+
+
+def test_a_dvc_lock_emptied_mid_commit_is_restored_when_snakemake_loads(clone):
+    # dvc.lock emptied by a kill in the middle of a `dvc commit`: Snakemake restores its last good copy
+    # when it loads (every load refreshes that copy), and both tools see everything current again.
+    sh("snakemake --cores 2 -n", clone)
+    (clone / "dvc.lock").write_text("")
+    out = sh("snakemake --cores 2 -n", clone)
+    assert "dvc.lock was damaged (it holds no stages)" in out and "Nothing to be done" in out, out[-3000:]
+    assert UP_TO_DATE in sh("dvc status", clone)
+
+
+def test_the_environments_snakemake_started_by_its_path_runs_its_own_tools(clone):
+    # The environment's snakemake started by its path, without the environment on PATH: the rules run its
+    # python and dvc, not the system's.
+    bare = {**env_for(clone), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "snakemake"),
+            "context_study",
+            "--cores",
+            "2",
+            "--forcerun",
+            "context_study",
+        ],
+        cwd=clone,
+        env=bare,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0 and snakemake_ran(proc.stdout + proc.stderr) == {"context_study"}, proc.stderr[-3000:]
+    assert "context_study:" not in sh("dvc status", clone), "the rule's dvc commit ran too"
+
+
+def test_a_stage_failing_before_its_run_opens_marks_the_invocation_failed_under_both_tools(clone):
+    import mlflow
+
+    # A stage that stops before it opens its MLflow run still marks its invocation's run FAILED. Under
+    # DVC: bad params. Under Snakemake (its load checks params before any job): a damaged input, with
+    # PIPELINE_NO_SYNC so that it does not first re-run the stage that wrote it.
+    client = mlflow.MlflowClient(f"sqlite:///{clone / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("pipeline").experiment_id
+
+    def failed_parents() -> list:
+        return client.search_runs([experiment], "tags.pipeline_role = 'parent' and attributes.status = 'FAILED'")
+
+    params = (clone / "params.yaml").read_text()
+    try:
+        set_growth(clone, 0.5)
+        proc = subprocess.run(
+            "dvc repro context_study", shell=True, cwd=clone, env=env_for(clone), capture_output=True, text=True
+        )
+        assert proc.returncode != 0 and "unscaled_growth must be >= 1" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    finally:
+        (clone / "params.yaml").write_text(params)
+    (failed,) = failed_parents()
+    assert failed.data.tags["pipeline_run"].startswith("dvc-")
+    assert failed.data.tags["unfinished_stages"] == "context_study:FAILED"
+
+    figures = clone / "data/eval_perplexity/extend_context/figures.json"
+    saved = figures.read_bytes()
+    figures.unlink()
+    try:
+        proc = subprocess.run(
+            "snakemake --cores 2 --forcerun context_study context_study",
+            shell=True,
+            cwd=clone,
+            env={**env_for(clone), "PIPELINE_NO_SYNC": "1"},
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode != 0 and "figures.json not found" in (clone / "logs/context_study.log").read_text()
+    finally:
+        figures.write_bytes(saved)
+        sh("dvc checkout context_study", clone)  # Snakemake removed the failed job's output
+    smk = [r for r in failed_parents() if r.data.tags["pipeline_run"].startswith("smk-")]
+    assert len(smk) == 1 and smk[0].data.tags["unfinished_stages"] == "context_study:FAILED"
+    assert UP_TO_DATE in sh("dvc status", clone)
+    assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
