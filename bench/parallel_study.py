@@ -2,10 +2,11 @@
 
     python bench/parallel_study.py [--input data/tokenize] [--model 63m|tiny] [--steps 5]
         [--layouts ddp2,fsdp2,tp2,pp2,ddp4,fsdp4,tp4,pp4,fsdp2-tp2,hsdp2x2,pp2-ddp2,pp2-tp2]
-        [--out reports/parallel_study]
+        [--out reports/parallel_study] [--one-launch]
 
 Trains pretrain's Llama from one seed on the tokenize stage's shards for --steps optimizer steps
-under each layout, each in a fresh `torchrun` (gloo on CPUs, nccl on GPUs), in fp32, with the
+under each layout, each in a fresh `torchrun` (gloo on CPUs, nccl on GPUs; with --one-launch the layouts of
+one process count share one, for tests), in fp32, with the
 codebase's loop (stages/common/loop.py) and a global batch of 8 x context tokens per step:
 
     ddpN     DDP over N processes              fsdpN    FSDP2 over N processes
@@ -202,69 +203,85 @@ class LastStepCounter:
             self.by_kind = dict(self.counter.by_kind)
 
 
-def child(spec_path: str) -> None:
-    """One layout under torchrun: train, measure, rank 0 writes every rank's figures."""
+def reset_peak_memory() -> bool:
+    """Start a new peak for vm_hwm_mib (Linux: 5 to /proc/self/clear_refs resets VmHWM); False if refused."""
+    import gc
+
+    gc.collect()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def child(spec_paths: list[str]) -> None:
+    """Layouts of one process count under one torchrun, one after another: train, measure, rank 0 writes
+    every rank's figures. Each layout builds its own mesh, model and optimizer from the same seed."""
     import torch
 
     from stages import pretrain
     from stages.common import loop, runtime, shards
 
-    spec = json.loads(Path(spec_path).read_text())
     rt = runtime.init()
-    cfg = loop.TrainConfig(**spec["train"])
-    runtime.seed_everything(cfg.seed)
-    inp = Path(spec["input"])
-    model = pretrain.build_model(pretrain.ModelConfig(**spec["model"]), shards.read_meta(inp))
-    n_params = sum(p.numel() for p in model.parameters())
-    tokens = shards.open_stream(inp, "train")
-    tracker = LastStepCounter(cfg.steps)
-    with tempfile.TemporaryDirectory() as folder:
-        result = loop.train(model, tokens, tokens, cfg, spec["context"], rt, Path(folder), tracker, runtime.StopFlag())
-    local = [getattr(p, "_local_tensor", p) for p in result.model.parameters()]
-    param_bytes = sum(t.numel() * t.element_size() for t in local)
-    cuda = rt.device.type == "cuda"
-    figures = {
-        "rank": rt.rank,
-        "param_bytes": param_bytes,
-        "grad_bytes": param_bytes,  # (every parameter trains; its gradient has its shape)
-        "optimizer_bytes": result.optimizer_state_bytes,
-        "peak_mib": torch.cuda.max_memory_allocated() / MIB if cuda else vm_hwm_mib(),
-        "sent_bytes": tracker.sent,
-        "calls": tracker.calls,
-        "sent_by_kind": tracker.by_kind,
-        "loss": result.history["loss"][-1],
-        "tokens_per_s": result.tokens_per_s,
-        "parameters": n_params,
-    }
-    del result, model
-    ranks = runtime.gather_objects(figures)
-    if rt.is_main:
-        Path(spec["result"]).write_text(json.dumps(ranks))
+    for spec_path in spec_paths:
+        spec = json.loads(Path(spec_path).read_text())
+        cfg = loop.TrainConfig(**spec["train"])
+        peak_is_own = reset_peak_memory() or spec_path == spec_paths[0]
+        runtime.seed_everything(cfg.seed)
+        inp = Path(spec["input"])
+        model = pretrain.build_model(pretrain.ModelConfig(**spec["model"]), shards.read_meta(inp))
+        n_params = sum(p.numel() for p in model.parameters())
+        tokens = shards.open_stream(inp, "train")
+        tracker = LastStepCounter(cfg.steps)
+        with tempfile.TemporaryDirectory() as folder:
+            result = loop.train(
+                model, tokens, tokens, cfg, spec["context"], rt, Path(folder), tracker, runtime.StopFlag()
+            )
+        local = [getattr(p, "_local_tensor", p) for p in result.model.parameters()]
+        param_bytes = sum(t.numel() * t.element_size() for t in local)
+        cuda = rt.device.type == "cuda"
+        figures = {
+            "rank": rt.rank,
+            "param_bytes": param_bytes,
+            "grad_bytes": param_bytes,  # (every parameter trains; its gradient has its shape)
+            "optimizer_bytes": result.optimizer_state_bytes,
+            "peak_mib": torch.cuda.max_memory_allocated() / MIB if cuda else vm_hwm_mib(),
+            "peak_is_own": cuda or peak_is_own,
+            "sent_bytes": tracker.sent,
+            "calls": tracker.calls,
+            "sent_by_kind": tracker.by_kind,
+            "loss": result.history["loss"][-1],
+            "tokens_per_s": result.tokens_per_s,
+            "parameters": n_params,
+        }
+        del result, model
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        ranks = runtime.gather_objects(figures)
+        if rt.is_main:
+            Path(spec["result"]).write_text(json.dumps(ranks))
     runtime.teardown()
 
 
-def run_layout(name: str, args, vocab: int, folder: Path) -> dict:
-    nproc, keys = LAYOUTS[name]
+def run_layouts(names: list[str], args, vocab: int, folder: Path) -> dict[str, dict]:
+    """Layouts of one process count, in one torchrun (or each in its own: len(names) == 1); their rows."""
+    nproc = LAYOUTS[names[0]][0]
     size = MODELS[args.model]
-    spec = {
-        "input": str(Path(args.input).resolve()),
-        "model": {**size["model"], "max_position_embeddings": size["context"], "rope_theta": 10000.0},
-        "context": size["context"],
-        "train": train_section(args.steps, size["micro_batch_size"], keys),
-        "result": str(folder / f"{name}.json"),
-    }
-    (folder / f"{name}.spec.json").write_text(json.dumps(spec))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        str(Path(__file__).resolve()),
-        "--child",
-        str(folder / f"{name}.spec.json"),
-    ]
+    specs = []
+    for name in names:
+        spec = {
+            "input": str(Path(args.input).resolve()),
+            "model": {**size["model"], "max_position_embeddings": size["context"], "rope_theta": 10000.0},
+            "context": size["context"],
+            "train": train_section(args.steps, size["micro_batch_size"], LAYOUTS[name][1]),
+            "result": str(folder / f"{name}.json"),
+        }
+        specs.append(folder / f"{name}.spec.json")
+        specs[-1].write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd += [str(Path(__file__).resolve()), "--child", ",".join(map(str, specs))]
     from stages.memory_study import MALLOC_ENV, THREAD_ENV  # (resident memory that tracks the live tensors)
 
     env = {**os.environ, **MALLOC_ENV, **THREAD_ENV, "PYTHONPATH": str(ROOT)}
@@ -272,20 +289,27 @@ def run_layout(name: str, args, vocab: int, folder: Path) -> dict:
     if proc.returncode != 0:  # the first rank's traceback: the others' usually report its loss
         lines = proc.stderr.splitlines()
         start = next((i for i, line in enumerate(lines) if "Traceback" in line), max(0, len(lines) - 40))
-        raise SystemExit(f"parallel_study: layout {name} failed ({proc.returncode}):\n" + "\n".join(lines[start:][:60]))
-    ranks = json.loads(Path(spec["result"]).read_text())
+        raise SystemExit(
+            f"parallel_study: layouts {','.join(names)} failed ({proc.returncode}):\n" + "\n".join(lines[start:][:60])
+        )
+    return {name: layout_row(name, json.loads((folder / f"{name}.json").read_text()), args, vocab) for name in names}
+
+
+def layout_row(name: str, ranks: list[dict], args, vocab: int) -> dict:
+    size = MODELS[args.model]
     n = len(ranks)
     state = sum(r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in ranks) / n
     analytic = analytic_bytes(name, size["model"], vocab, size["context"], size["micro_batch_size"])
     sent = sum(r["sent_bytes"] for r in ranks) / n
     return {
         "layout": name,
-        "processes": nproc,
+        "processes": LAYOUTS[name][0],
         "loss": ranks[0]["loss"],
         "param_mib": sum(r["param_bytes"] for r in ranks) / n / MIB,
         "optimizer_mib": sum(r["optimizer_bytes"] for r in ranks) / n / MIB,
         "state_mib": state / MIB,
-        "peak_mib": max(r["peak_mib"] for r in ranks),
+        # a peak the process reached under an earlier layout of its launch (no VmHWM reset) is not this one's
+        "peak_mib": max(r["peak_mib"] for r in ranks) if all(r["peak_is_own"] for r in ranks) else float("nan"),
         "comm_mib": sent / MIB,
         "analytic_mib": analytic / MIB,
         "comm_ratio": sent / analytic if analytic else float("nan"),
@@ -376,10 +400,16 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--out", default="reports/parallel_study")
+    p.add_argument(
+        "--one-launch",
+        action="store_true",
+        help="the layouts of one process count in one torchrun, one after another (start-up paid once; "
+        "each layout's peak memory restarts from its own start where Linux allows, else it is left out)",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        child(args.child)
+        child(args.child.split(","))
         return 0
     from stages.common import shards
 
@@ -394,17 +424,23 @@ def main(argv=None) -> int:
     except FileNotFoundError:
         message = f"--input: no tokenize output at {args.input}; run `make run` (or dvc repro tokenize)"
         raise SystemExit(message) from None
+    if args.one_launch:  # one launch per process count, in the order of --layouts
+        launches = list({LAYOUTS[n][0]: [m for m in names if LAYOUTS[m][0] == LAYOUTS[n][0]] for n in names}.values())
+    else:
+        launches = [[name] for name in names]
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            rows[name] = run_layout(name, args, vocab, Path(tmp))
-            r = rows[name]
-            print(
-                f"{name:>10}: loss {r['loss']:.4f}  state {r['state_mib']:8.1f} MiB/rank  peak {r['peak_mib']:7.0f} "
-                f"MiB  sent {r['comm_mib']:8.2f} MiB/step (analytic {r['analytic_mib']:8.2f})  "
-                f"{r['tokens_per_s']:8,.0f} tok/s",
-                flush=True,
-            )
+        for group in launches:
+            for name, r in run_layouts(group, args, vocab, Path(tmp)).items():
+                rows[name] = r
+                print(
+                    f"{name:>10}: loss {r['loss']:.4f}  state {r['state_mib']:8.1f} MiB/rank  "
+                    f"peak {r['peak_mib']:7.0f} MiB  sent {r['comm_mib']:8.2f} MiB/step "
+                    f"(analytic {r['analytic_mib']:8.2f})  "
+                    f"{r['tokens_per_s']:8,.0f} tok/s",
+                    flush=True,
+                )
+    rows = {name: rows[name] for name in names}
     import torch
 
     size = MODELS[args.model]

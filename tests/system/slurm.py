@@ -40,6 +40,8 @@ SlurmctldHost={host}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job waits this long before it starts again (default 120 s): the test's preempted job.
+AuthInfo=cred_expire=30
 StateSaveLocation={state}/ctld
 SlurmdSpoolDir={state}/d
 SlurmctldPidFile={state}/slurmctld.pid

@@ -382,8 +382,9 @@ def test_warning_signal_checkpoints_requeues_and_resumes(two_nodes, tmp_path_fac
         time.sleep(1)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
 
-    # The requeued job starts again after SLURM's requeue delay (about 2 minutes). It is not hurried:
-    # until then slurmd still holds the first start's revoked credential and kills an early start.
+    # The requeued job starts again after SLURM's requeue delay (AuthInfo=cred_expire, 30 s on this
+    # cluster). It is not hurried: until then slurmd still holds the first start's revoked credential and
+    # kills an early start.
     deadline = time.time() + 120
     while two_nodes.job(job_id)["Restarts"] == "0":
         assert time.time() < deadline, (
