@@ -1,5 +1,6 @@
 """Print CI's phase times (.ci/run writes them to REPORTS/phases.tsv) and, for each pytest phase, its
-pytest time, its counts and its slowest tests (setup, call and teardown together) from its JUnit XML.
+pytest time, its counts and its slowest tests (setup, call and teardown together) from its JUnit XML;
+then the slowest shell commands the tests ran, and why the shared ci run was made again, if it was.
 
     python3 .ci/summary.py REPORTS [--slowest N]
 """
@@ -44,6 +45,16 @@ def main(argv=None) -> None:
         print(f"{name:<18} {minutes(float(seconds)):>13}  {status}")
         if junit != "-":
             print("\n".join(pytest_figures(Path(junit), args.slowest)))
+    commands = args.reports / "commands.tsv"  # tests/shared_run.py: commands of the tests over 20 s
+    if commands.is_file():
+        print(f"slowest commands the tests ran ({commands}):")
+        lines = [line.split("\t") for line in commands.read_text().splitlines() if line.count("\t") == 2]
+        for seconds, test, cmd in sorted(lines, key=lambda x: -float(x[0]))[: args.slowest]:
+            print(f"    {float(seconds):7.0f} s  {cmd}  ({test})")
+    replaced = args.reports.parent / "ci-run" / "replaced.log"  # a shared ci run made again: why
+    if replaced.is_file():
+        print(f"the shared ci run was made again for a changed key ({replaced}):")
+        print("\n".join("    " + line for line in replaced.read_text().splitlines()[:30]))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ everything the run's outputs follow from: every file of the working tree that a 
 packages and Python, the data mirror's bytes, the CPU (kernels follow its flags) and the PIPELINE_*
 environment. A change to any of them is a new key, so a stale run is never read; the first test that asks
 makes it (the others, in any pytest-xdist worker or the later pytest run, wait on a file lock), and older
-keys are removed then.
+keys are removed then, the lines of the key that changed written to .cache/ci-run/replaced.log.
 
     shared_run()          the run's clone: read it, never write to it (checked on every call)
     copy_of_run(dest)     a private copy for a test that changes the pipeline (paths inside moved to dest)
@@ -24,6 +24,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,11 +52,23 @@ def env_for(cwd: Path, **extra) -> dict:
     return env
 
 
+# Commands of the tests that took long, with the test that ran them (.ci/summary.py prints the slowest).
+COMMAND_LOG = ROOT / ".cache" / "ci" / "commands.tsv"
+LONG_COMMAND_S = 20
+
+
 def sh(cmd: str, cwd: Path, timeout: int = 1200, check: bool = True, **extra) -> str:
     """Run a shell command in `cwd` (env_for); its stdout and stderr. check: fail with its output."""
+    started = time.monotonic()
     proc = subprocess.run(
         cmd, shell=True, cwd=cwd, env=env_for(cwd, **extra), capture_output=True, text=True, timeout=timeout
     )
+    seconds = time.monotonic() - started
+    if seconds > LONG_COMMAND_S:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "-").rsplit(" (", 1)[0]
+        COMMAND_LOG.parent.mkdir(parents=True, exist_ok=True)
+        with open(COMMAND_LOG, "a") as log:  # (one short line per write: whole lines from any worker)
+            log.write(f"{seconds:.0f}\t{test}\t{' '.join(cmd.split())[:160]}\n")
     out = proc.stdout + proc.stderr
     if check:
         assert proc.returncode == 0, f"`{cmd}` failed ({proc.returncode}):\n{out[-6000:]}"
@@ -93,27 +106,24 @@ def _cpu() -> str:
     return "\n".join(next((ln for ln in lines if ln.startswith(k)), "") for k in ("model name", "flags"))
 
 
-def tree_key(root: Path = ROOT, mirror: Path = MIRROR) -> str:
-    """The hash of what the ci run's outputs follow from (see the module docstring)."""
-    h = hashlib.sha256()
-
-    def add(*parts) -> None:
-        for part in parts:
-            h.update(part if isinstance(part, bytes) else str(part).encode())
-            h.update(b"\0")
-
-    for name in tree_files(root):
-        add("file", name, hashlib.sha256((root / name).read_bytes()).digest())
-    add("python", sys.version, sys.executable)
-    for dist in sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()):
-        add("package", dist)
-    add("mirror", mirror.resolve())
+def key_parts(root: Path = ROOT, mirror: Path = MIRROR) -> list[str]:
+    """What the ci run's outputs follow from (see the module docstring), one line each."""
+    parts = [f"file {name} {hashlib.sha256((root / name).read_bytes()).hexdigest()}" for name in tree_files(root)]
+    parts.append(f"python {sys.version} {sys.executable}")
+    parts += sorted(f"package {d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
+    parts.append(f"mirror {mirror.resolve()}")
     for path in sorted(p for p in mirror.rglob("*") if p.is_file()):
-        add(path.relative_to(mirror), hashlib.sha256(path.read_bytes()).digest())
-    add("cpu", _cpu())
+        parts.append(f"mirror-file {path.relative_to(mirror)} {hashlib.sha256(path.read_bytes()).hexdigest()}")
+    parts.append(f"cpu {hashlib.sha256(_cpu().encode()).hexdigest()}")
     for key in sorted(k for k in os.environ if k.startswith("PIPELINE_") and k != "PIPELINE_DATA_MIRROR"):
-        add("env", key, os.environ[key])
-    return h.hexdigest()[:20]
+        parts.append(f"env {key}={os.environ[key]}")
+    return parts
+
+
+def tree_key(root: Path = ROOT, mirror: Path = MIRROR, parts: list[str] | None = None) -> str:
+    """The hash of key_parts: a new value whenever anything the run follows from changes."""
+    parts = key_parts(root, mirror) if parts is None else parts
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
 def output_hashes(root: Path, folders=("data", "reports")) -> dict[str, str]:
@@ -135,18 +145,25 @@ def _fingerprint(clone: Path) -> dict[str, str]:
     return {**output_hashes(clone), **records}
 
 
-def _make(entry: Path) -> None:
+def _make(entry: Path, parts: list[str]) -> None:
     from filelock import FileLock
 
     with FileLock(str(entry.parent / "prune.lock")):  # other keys: runs of trees that are gone
         for other in entry.parent.iterdir():
-            if other.name.split(".")[0] not in (entry.name, "prune"):
-                if other.is_dir():
-                    shutil.rmtree(other, ignore_errors=True)
-                else:
-                    other.unlink(missing_ok=True)
+            if other.name.split(".")[0] in (entry.name, "prune", "replaced"):
+                continue
+            if (other / "key.txt").is_file():  # why it is replaced, for whoever wonders at the time it took
+                before = set((other / "key.txt").read_text().splitlines())
+                changed = sorted(before ^ set(parts), key=lambda line: line.split(" ")[:2])
+                with open(entry.parent / "replaced.log", "a") as log:
+                    log.write(f"{other.name} -> {entry.name}:\n" + "".join(f"  {line}\n" for line in changed[:40]))
+            if other.is_dir():
+                shutil.rmtree(other, ignore_errors=True)
+            else:
+                other.unlink(missing_ok=True)
     shutil.rmtree(entry, ignore_errors=True)  # an earlier attempt that did not finish
     (entry / "run").mkdir(parents=True)
+    (entry / "key.txt").write_text("\n".join(parts) + "\n")
     clone = make_clone(entry / "run")
     out = sh("snakemake --profile pipelines/profiles/local --cores 2", clone, timeout=2400)
     (entry / "snakemake.out").write_text(out)
@@ -160,10 +177,11 @@ def shared_run() -> Path:
     from filelock import FileLock
 
     CACHE.mkdir(parents=True, exist_ok=True)
-    entry = CACHE / tree_key()
+    parts = key_parts()
+    entry = CACHE / tree_key(parts=parts)
     with FileLock(str(CACHE / f"{entry.name}.lock")):
         if not (entry / "done").exists():
-            _make(entry)
+            _make(entry, parts)
     clone = entry / "run"
     recorded = json.loads((entry / "fingerprint.json").read_text())
     now = _fingerprint(clone)
@@ -201,3 +219,7 @@ def relocate_store(db: Path, old: str, new: str) -> None:
                         f'UPDATE "{table}" SET "{column}" = replace("{column}", ?, ?) WHERE instr("{column}", ?) > 0',
                         (old, new, old),
                     )
+
+
+if __name__ == "__main__":  # .ci/run prints the key before each test phase: the same tree, the same run
+    print(f"shared ci run key: {tree_key()}")
