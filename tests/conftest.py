@@ -9,11 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-_mirror_env = os.environ.get("PIPELINE_DATA_MIRROR")
-MIRROR = Path(_mirror_env) if _mirror_env else ROOT.parent / "shared" / "data"
-
+from shared_run import MIRROR, ROOT  # noqa: F401  (the repository and the data mirror, for the tests)
 
 # The order in which the pytest-xdist workers take the modules: the longest first, so that the workers
 # finish together. A worker is handed its next module while it still runs its last queued test (xdist keeps
