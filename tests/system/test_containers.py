@@ -107,11 +107,12 @@ def base_image(podman, tmp_path_factory) -> str:
         pytest.skip(
             f"debootstrap could not make a base image (no Debian mirror?):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
         )
-    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-    imported = subprocess.run([*podman.base, "import", "-", BASE], stdin=tar.stdout, capture_output=True, text=True)
-    tar.wait()
+    # A tar file rather than a pipe: an import that fails early cannot leave tar blocked on a full pipe.
+    archive = rootfs.with_suffix(".tar")
+    subprocess.run(["tar", "-C", str(rootfs), "-cf", str(archive), "."], check=True, timeout=600)
     shutil.rmtree(rootfs)
-    assert imported.returncode == 0, imported.stderr
+    podman("import", str(archive), BASE, timeout=900)
+    archive.unlink()
     return BASE
 
 
