@@ -93,6 +93,7 @@ lock: $(STAMP)
 	$(VENV)/bin/pip install --quiet -r requirements.in
 	{ sed -n '1,2p' requirements.lock; $(VENV)/bin/pip freeze --exclude-editable | sed 's/^torch==\([0-9.]*\)+.*/torch==\1/'; } > requirements.lock.new
 	mv requirements.lock.new requirements.lock
+	$(VENV)/bin/python -m pipelines.dag write  # the families' package lists follow the lock
 
 clean:
 	rm -rf .cache data/*/ reports/* logs .snakemake checkpoints mlflow.db mlflow.db.lock mlartifacts report.html snakemake-report.html

@@ -6,12 +6,23 @@
 
 The Snakefile calls `load_table()` and `snakemake_rules()` when it loads, so its rules follow the
 table directly; tests/test_dag.py compares what DVC and Snakemake each parse.
+
+A stage's dependencies are the table's data deps plus two kinds the table does not spell out:
+  - its code: the files of every module `stages.<name>` imports within the repository, transitively (in
+    functions too; not under TYPE_CHECKING), found by grimp from the imports themselves;
+  - its environment: pipelines/packages/<family>.txt, the pinned versions of the packages the stages of
+    its container family import (transitively, by their declared requirements), generated from
+    requirements.lock by `write`. Upgrading one of them re-runs the family's stages; a package no stage
+    imports (pytest, ruff) re-runs nothing.
+The launcher (`python -m pipelines.launch`) is how a stage is started, not what it computes: not a dep.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import re
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +31,13 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = ROOT / "pipelines" / "stages.yaml"
+LOCK = ROOT / "requirements.lock"
+PACKAGES = "pipelines/packages/{family}.txt"
+PACKAGES_HEADER = (
+    "# Generated from requirements.lock by `python -m pipelines.dag write` (make dag): the pinned packages the\n"
+    "# stages of the {family} family import, with everything they require. A dependency of each of those\n"
+    "# stages: a new version of one of these re-runs them.\n"
+)
 LAUNCH = "python -m pipelines.launch"
 STAGE_KEYS = {"args", "deps", "params", "outs", "metrics", "plots", "resources", "foreach", "collect"}
 RESOURCE_KEYS = {"nodes", "nproc_per_node", "gpus_per_node", "mem_mb", "runtime_min", "container"}
@@ -85,7 +103,10 @@ def load_table(path: Path = TABLE) -> dict[str, Stage]:
     doc = yaml.safe_load(Path(path).read_text())
     defaults = doc.get("defaults", {})
     base_resources = defaults.get("resources", {})
-    common = tuple(defaults.get("common_deps", ()))
+    if "common_deps" in defaults:
+        raise TableError(f"{path}: defaults.common_deps: code deps come from the imports (pipelines/dag.py); remove it")
+    root = Path(path).resolve().parent.parent
+    code = code_deps(root, tuple(f"stages.{name}" for name in doc["stages"]))
     stages = {}
     for name, entry in doc["stages"].items():
         unknown = set(entry) - STAGE_KEYS
@@ -94,10 +115,17 @@ def load_table(path: Path = TABLE) -> dict[str, Stage]:
         res = {**base_resources, **entry.get("resources", {})}
         if set(res) - RESOURCE_KEYS:
             raise TableError(f"{path}: stage {name}: unknown resource(s) {sorted(set(res) - RESOURCE_KEYS)}")
+        written = tuple(entry.get("deps", ()))
+        source = [d for d in written if d.endswith(".py")]
+        if source:
+            raise TableError(
+                f"{path}: stage {name}: deps {source}: a stage's code deps come from its imports (pipelines/dag.py); "
+                f"list only data and other files it reads"
+            )
         stages[name] = Stage(
             name=name,
             args=entry.get("args", ""),
-            deps=tuple(entry.get("deps", ())) + common,
+            deps=written + code[f"stages.{name}"] + (PACKAGES.format(family=family(res)),),
             params=tuple(entry.get("params", ())),
             outs=tuple(entry.get("outs", ())),
             metrics=tuple(entry.get("metrics", ())),
@@ -120,6 +148,95 @@ def load_table(path: Path = TABLE) -> dict[str, Stage]:
                 }
             )
     return stages
+
+
+def family(resources: dict) -> str:
+    """The container family a stage runs in (containers/<family>/): its image's name."""
+    return Path(resources["container"]).stem
+
+
+def module_file(root: Path, module: str) -> Path:
+    base = root.joinpath(*module.split("."))
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
+@functools.lru_cache(maxsize=4)
+def code_deps(root: Path, modules: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """{module: the repository files that run when it is imported}, relative to `root`: the module, every
+    module of `stages` and `pipelines` it imports, transitively, and the `__init__.py` of each of their
+    packages. Read by grimp from the source; a repository other than this one (a test's copy) is read
+    in a process started there, so its own files are the ones found."""
+    if root != ROOT:
+        code = "import json, sys; from pipelines import dag; "
+        code += "print(json.dumps(dag.code_deps(dag.ROOT, tuple(sys.argv[1:]))))"
+        proc = subprocess.run([sys.executable, "-c", code, *modules], cwd=root, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise TableError(proc.stderr.strip().splitlines()[-1])
+        import json
+
+        return {k: tuple(v) for k, v in json.loads(proc.stdout).items()}
+    import grimp
+
+    graph = grimp.build_graph("stages", "pipelines", cache_dir=None, exclude_type_checking_imports=True)
+    deps = {}
+    for module in modules:
+        if module not in graph.modules:
+            raise TableError(f"stage {module.split('.')[-1]}: no module {module} ({module.replace('.', '/')}.py)")
+        files = set()
+        for name in {module} | graph.find_upstream_modules(module):
+            parts = name.split(".")
+            files |= {module_file(root, ".".join(parts[:i])) for i in range(1, len(parts))}  # its packages
+            files.add(module_file(root, name))
+        deps[module] = tuple(sorted(str(f.relative_to(root)) for f in files))
+    return deps
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def family_packages(stages: dict[str, Stage]) -> dict[str, str]:
+    """{family: the text of pipelines/packages/<family>.txt}: the lines of requirements.lock naming a
+    distribution that the family's stage modules import (any depth) or that one of those requires, as
+    installed here (importlib.metadata; the environment `make venv` builds from the lock)."""
+    import importlib.metadata
+
+    import grimp
+    from packaging.requirements import Requirement
+
+    graph = grimp.build_graph(
+        "stages", "pipelines", cache_dir=None, exclude_type_checking_imports=True, include_external_packages=True
+    )
+    providers = importlib.metadata.packages_distributions()
+    pinned = {}
+    for line in LOCK.read_text().splitlines():
+        if line and not line.startswith("#"):
+            pinned[normalized(line.split("==")[0])] = line
+    texts = {}
+    for fam in sorted({family(st.resources) for st in stages.values()}):
+        imported = set()
+        for st in stages.values():
+            if family(st.resources) == fam:
+                imported |= {m.split(".")[0] for m in graph.find_upstream_modules(f"stages.{st.name}")}
+        imported -= {"stages", "pipelines"}  # this repository (its own distribution, installed editable)
+        todo = [normalized(d) for top in imported for d in providers.get(top, ())]
+        seen: set[str] = set()
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            try:
+                requires = importlib.metadata.requires(name) or []
+            except importlib.metadata.PackageNotFoundError:
+                continue
+            for text in requires:
+                req = Requirement(text)
+                if req.marker is None or req.marker.evaluate({"extra": ""}):
+                    todo.append(normalized(req.name))
+        lines = sorted((pinned[n] for n in seen if n in pinned), key=str.lower)
+        texts[fam] = PACKAGES_HEADER.format(family=fam) + "\n".join(lines) + "\n"
+    return texts
 
 
 def dvc_document(stages: dict[str, Stage]) -> dict:
@@ -216,19 +333,26 @@ def disagreements(root: Path = ROOT) -> list[str]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    target = ROOT / "dvc.yaml"
-    text = render_dvc(load_table())
+    stages = load_table()
+    generated = {ROOT / "dvc.yaml": render_dvc(stages)}
+    generated |= {ROOT / PACKAGES.format(family=f): text for f, text in family_packages(stages).items()}
     if argv == ["write"]:
-        target.write_text(text)
-        print(f"wrote {target}")
+        for target, text in generated.items():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+            print(f"wrote {target.relative_to(ROOT)}")
         return 0
     if argv == ["check"]:
-        current = target.read_text() if target.exists() else ""
-        if current != text:
-            sys.stdout.writelines(
-                difflib.unified_diff(current.splitlines(True), text.splitlines(True), "dvc.yaml", "from stages.yaml")
-            )
-            print("\ndvc.yaml is out of date: run `python -m pipelines.dag write` (make dag)", file=sys.stderr)
+        stale = 0
+        for target, text in generated.items():
+            current = target.read_text() if target.exists() else ""
+            if current != text:
+                name = str(target.relative_to(ROOT))
+                diff = difflib.unified_diff(current.splitlines(True), text.splitlines(True), name, "made")
+                sys.stdout.writelines(diff)
+                print(f"\n{name} is out of date: run `python -m pipelines.dag write` (make dag)", file=sys.stderr)
+                stale += 1
+        if stale:
             return 1
         problems = disagreements()
         for p in problems:

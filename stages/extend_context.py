@@ -195,8 +195,8 @@ def finetune(
     model = AutoModelForCausalLM.from_pretrained(base, config=model_config, dtype=torch.float32)
     train_tokens, val_tokens = shards.open_stream(data, "train"), shards.open_stream(data, "val")
     variant_tracker = PrefixedTracker(tracker, name)
-    result = stage.train(model, train_tokens, val_tokens, cfg.train, context, rt, folder, variant_tracker, stop)
-    state = ckpt.full_state_dict(result.model, rt)
+    result = loop.fit(model, train_tokens, val_tokens, cfg.train, context, rt, folder, variant_tracker, stop)
+    state = loop.full_state_dict(result.model, rt)
     del result.model, model
     gc.collect()
     hist = result.history

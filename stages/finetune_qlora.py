@@ -366,7 +366,7 @@ def run(
         stage.checkpoints(STAGE, cfg, digest, rt) as folder,
         stage.tracked(STAGE, cfg, digest, rt, tags={"checkpoints": str(folder)}) as (tracker, _),
     ):
-        result = stage.train(model, train_src, eval_src, train_cfg, cfg.seq_length, rt, folder, tracker, stop)
+        result = loop.fit(model, train_src, eval_src, train_cfg, cfg.seq_length, rt, folder, tracker, stop)
         hist = result.history
         if hist["val_step"] and hist["val_step"][-1] == steps:
             eval_loss = hist["val_loss"][-1]
@@ -374,7 +374,7 @@ def run(
             eval_loss = loop.evaluate(result.model, eval_src, train_cfg, rt)
             hist = {**hist, "val_step": [*hist["val_step"], steps], "val_loss": [*hist["val_loss"], eval_loss]}
         peak = max(runtime.gather_objects(peak_memory_mb(rt.device)))
-        adapter_sd = ckpt.full_state_dict(result.model, rt, trainable_only=True)
+        adapter_sd = loop.full_state_dict(result.model, rt, trainable_only=True)
         trained = None if rt.distributed else result.model
         del model, result.model
         gc.collect()

@@ -304,7 +304,7 @@ def main(argv=None) -> dict:
                 f"{STAGE}: measures one process at a time; run it with one process (PIPELINE_NPROC_PER_NODE=1)"
             )
         for name, overrides in cfg.techniques.items():  # as each run will see them
-            stage.check_train(f"{STAGE}.techniques.{name}", technique_config(cfg.train, name, overrides), rt)
+            technique_config(cfg.train, name, overrides).check_layout(f"{STAGE}.techniques.{name}", rt)
         return run(cfg, inp, output, rt)
 
     return stage.launch(STAGE, body)

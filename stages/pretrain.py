@@ -168,8 +168,8 @@ def run(cfg: Config, inp: Path, output: Path, meta_in: dict, rt: runtime.Runtime
         stage.checkpoints(STAGE, cfg, digest, rt) as folder,
         stage.tracked(STAGE, cfg, digest, rt, tags={"checkpoints": str(folder)}) as (tracker, _),
     ):
-        result = stage.train(model, train_tokens, val_tokens, cfg.train, cfg.context_length, rt, folder, tracker, stop)
-        model_sd = ckpt.full_state_dict(result.model, rt)
+        result = loop.fit(model, train_tokens, val_tokens, cfg.train, cfg.context_length, rt, folder, tracker, stop)
+        model_sd = loop.full_state_dict(result.model, rt)
         meta = stage.publish(output, rt, lambda tmp: save_outputs(tmp, model_sd, cfg, meta_in, inp, result))
         if rt.is_main:
             tracker.log_artifact(output / "plots/loss.png", "plots")

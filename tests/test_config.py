@@ -165,15 +165,15 @@ def test_a_missing_sub_section_key_is_named(tmp_path):
 def test_offload_is_refused_where_it_cannot_act():
     import torch
 
-    from stages.common import runtime, stage
+    from stages.common import runtime
 
     train = load_pretrain(["train.strategy=fsdp", "train.offload=true"]).train
     two_cpus = runtime.Runtime(0, 2, 0, 2, torch.device("cpu"))
     with pytest.raises(config.UserError, match="pretrain.train.offload: .* this run is on cpu, where they are there"):
-        stage.check_train("pretrain.train", train, two_cpus)
+        train.check_layout("pretrain.train", two_cpus)
     with pytest.raises(config.UserError, match="pretrain.train.offload: .* a single process"):
-        stage.check_train("pretrain.train", train, runtime.Runtime(0, 1, 0, 1, torch.device("cuda", 0)))
-    stage.check_train("pretrain.train", train, runtime.Runtime(0, 2, 0, 2, torch.device("cuda", 0)))  # where it acts
+        train.check_layout("pretrain.train", runtime.Runtime(0, 1, 0, 1, torch.device("cuda", 0)))
+    train.check_layout("pretrain.train", runtime.Runtime(0, 2, 0, 2, torch.device("cuda", 0)))  # where it acts
 
 
 def test_every_dag_stage_is_a_known_params_section():

@@ -26,8 +26,42 @@ def copy_repo(dest):
     return dest
 
 
-def test_dvc_yaml_is_generated_from_the_table():
-    assert (ROOT / "dvc.yaml").read_text() == dag.render_dvc(dag.load_table()), "run: python -m pipelines.dag write"
+def test_dvc_yaml_and_the_package_lists_are_generated_from_the_table_and_the_lock():
+    stages = dag.load_table()
+    assert (ROOT / "dvc.yaml").read_text() == dag.render_dvc(stages), "run: python -m pipelines.dag write"
+    for family, text in dag.family_packages(stages).items():
+        path = ROOT / dag.PACKAGES.format(family=family)
+        assert path.read_text() == text, f"{path.name} does not follow requirements.lock: make dag"
+
+
+def test_code_deps_are_the_imports():
+    """Each stage depends on the files of the modules it imports, at any depth: the training stack for
+    the training stages, never for the others (an edit to the mesh re-runs only what trains)."""
+    stages = dag.load_table()
+    training = {"stages/common/loop.py", "stages/common/mesh.py", "stages/common/pipeline.py"}
+    for name in ("pretrain", "extend_context", "finetune_qlora", "memory_study"):
+        assert training <= set(stages[name].deps), name
+    for name in ("prepare_data", "tokenize", "eval_perplexity", "context_study", "train_gnn", "report"):
+        assert not training & set(stages[name].deps), name
+    assert "stages/pretrain.py" in stages["memory_study"].deps, "memory_study builds pretrain's model"
+    assert "stages/models/gnn.py" in stages["train_gnn"].deps
+    assert "pipelines/packages/gnn.txt" in stages["train_gnn"].deps
+    assert "pipelines/packages/lm.txt" in stages["pretrain"].deps
+    lm = (ROOT / "pipelines/packages/lm.txt").read_text()
+    assert "\ntorch==" in lm and "\ntransformers==" in lm and "\npeft==" in lm
+    assert "pytest" not in lm and "ruff" not in lm and "snakemake" not in lm, "test and runner packages re-run nothing"
+
+
+def test_a_new_import_becomes_a_dep_and_a_hand_written_code_dep_is_refused(tmp_path):
+    root = copy_repo(tmp_path)
+    module = root / "stages/prepare_data.py"
+    module.write_text(module.read_text() + "\n\ndef _later():\n    from stages.common import shards  # noqa: F401\n")
+    assert "stages/common/shards.py" in dag.load_table(root / "pipelines/stages.yaml")["prepare_data"].deps
+    table = root / "pipelines/stages.yaml"
+    text = table.read_text().replace("deps: [data/prepare_data]", "deps: [data/prepare_data, stages/x.py]", 1)
+    table.write_text(text)
+    with pytest.raises(dag.TableError, match=r"stage tokenize: deps \['stages/x.py'\]: a stage's code deps come"):
+        dag.load_table(table)
 
 
 def test_the_readme_draws_the_current_graph(tmp_path):
@@ -102,13 +136,14 @@ def test_foreach_stages_map_to_dvc_foreach_and_snakemake_wildcards(tmp_path):
     doc = yaml.safe_load(table.read_text())
     doc["stages"]["per_model"] = {
         "args": "--model ${item} --output data/per_model/${item}",
-        "deps": ["data/tokenize", "stages/report.py"],
+        "deps": ["data/tokenize"],
         "params": ["report"],
         "outs": ["data/per_model/${item}"],
         "metrics": ["data/per_model/${item}/metrics.json"],
         "foreach": ["small", "large"],
     }
     table.write_text(yaml.safe_dump(doc, sort_keys=False))
+    (root / "stages/per_model.py").write_text("from stages import report  # noqa: F401\n")
     (root / "dvc.yaml").write_text(dag.render_dvc(dag.load_table(table)))
     stages = dag.dvc_view(root)
     assert {"per_model@small", "per_model@large"} <= set(stages)

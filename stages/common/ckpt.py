@@ -29,12 +29,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
 
 from stages.common import atomic, runtime
+
+# How the processes share the model, not what it computes: a checkpoint saved under one layout resumes
+# under another (DCP reshards on load), so these keys of a train section are not part of the checkpoint
+# folder's key.
+LAYOUT_KEYS = (
+    "strategy", "tensor_parallel", "pipeline_parallel", "pipeline_schedule", "data_parallel_replicate", "offload",
+)  # fmt: skip
 
 
 def weights_problem(folder: str | Path, adapter: bool = False) -> str | None:
@@ -242,7 +248,7 @@ def discard(folder: str | Path) -> None:
 
 
 # ------------------------------------------------------------------------- model and optimizer state
-def _fqn(name: str) -> str:
+def fqn(name: str) -> str:
     """A parameter name as torch.distributed.checkpoint writes it (no DDP/compile wrapper prefixes)."""
     return ".".join(part for part in name.split(".") if part not in ("module", "_orig_mod", "_fsdp_wrapped_module"))
 
@@ -250,7 +256,7 @@ def _fqn(name: str) -> str:
 def state_dicts(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
     """Model and optimizer state for a checkpoint. With a frozen base only the trainable parameters
     (quantized bases also put packing statistics in the state dict; those are left out too)."""
-    trainable = {_fqn(n) for n, p in model.named_parameters() if p.requires_grad}
+    trainable = {fqn(n) for n, p in model.named_parameters() if p.requires_grad}
     frozen = any(not p.requires_grad for p in model.parameters())
     # AdamW's state flattened to one entry per parameter name (its moments and its group's settings), so
     # that it loads under another layout: other processes, other pipeline stages. (bitsandbytes' 8-bit
@@ -317,18 +323,3 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     extra = torch.load(path / "extra.pt", weights_only=True)  # data only: a checkpoint never runs code
     torch.set_rng_state(extra["torch_rng"])
     return extra
-
-
-def full_state_dict(model, rt: runtime.Runtime, trainable_only: bool = False) -> dict:
-    """The whole model's state on CPU, on rank 0 (gathered from FSDP shards or taken from DDP);
-    with `trainable_only`, just the trainable parameters (the adapters of a frozen base)."""
-    from stages.common import pipeline
-
-    if getattr(model, pipeline.PART, False):  # one pipeline stage's part on each rank
-        return pipeline.full_state_dict(model, rt)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
-    sd = get_model_state_dict(model, options=options)
-    if trainable_only:
-        names = {_fqn(n) for n, p in model.named_parameters() if p.requires_grad}
-        sd = {k: v for k, v in sd.items() if _fqn(k) in names}
-    return {k.removeprefix("_orig_mod."): v for k, v in sd.items()} if rt.is_main else {}

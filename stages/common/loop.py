@@ -30,6 +30,7 @@ from typing import ClassVar
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from stages.common import ckpt, config, mesh, pipeline, runtime, shards
 
@@ -47,11 +48,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # The dtype gradients are averaged over processes in: FSDP2's reduce-scatter (MixedPrecisionPolicy
 # reduce_dtype), DDP's all-reduce (a compression hook), the all-reduce of replicated adapters. fp32 sums
 # exactly as the one-process run does; bf16 and fp16 halve the bytes sent.
-# How the processes share the model, not what it computes: a checkpoint saved under one layout resumes
-# under another (DCP reshards on load), so these keys are not part of the checkpoint folder's key.
-LAYOUT_KEYS = (
-    "strategy", "tensor_parallel", "pipeline_parallel", "pipeline_schedule", "data_parallel_replicate", "offload",
-)  # fmt: skip
+LAYOUT_KEYS = ckpt.LAYOUT_KEYS
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -163,6 +160,34 @@ class TrainConfig:
     def loss_compile_mode(self) -> str | None:
         """The mode lm_loss compiles the loss in; None without compile."""
         return self.compile_mode if self.compile else None
+
+    def check_layout(self, where: str, rt: runtime.Runtime) -> None:
+        """What a train section (at the dotted path `where`, e.g. preself.train) can only be checked against
+        once the processes and the device are known; before any compute."""
+        tp, pp = self.tensor_parallel, self.pipeline_parallel
+        problem = mesh.layout_problem(rt.world_size, tp, pp, self.data_parallel_replicate, self.strategy)
+        if problem:
+            raise config.UserError(f"params.yaml: {where}.{problem}")
+        try:
+            grad_accum_steps(self, rt.world_size // (tp * pp))
+        except ValueError as e:
+            layout = (
+                " (processes here: the data-parallel ones, processes / (tensor x pipeline degree))"
+                if tp * pp > 1
+                else ""
+            )
+            raise config.UserError(f"params.yaml: {where}.{e}{layout}") from None
+        if self.offload and not rt.distributed:
+            raise config.UserError(
+                f"params.yaml: {where}.offload: FSDP2's CPU offload shards over the processes of a torchrun run; "
+                f"this one has a single process: run it with torchrun --nproc-per-node 2 or more, or set it false"
+            )
+        if self.offload and rt.device.type != "cuda":
+            raise config.UserError(
+                f"params.yaml: {where}.offload: FSDP2's CPU offload moves parameters, gradients and optimizer "
+                f"states from GPU memory to the host; this run is on {rt.device.type}, where they are there already: "
+                f"set it false"
+            )
 
 
 @dataclass(frozen=True)
@@ -746,6 +771,28 @@ def train(
         optimizer_state_bytes=optimizer_state_bytes(optimizer),
         tokens_per_cpu_s=cpu_tps,
     )
+
+
+def fit(model, train_data, val_data, cfg: TrainConfig, context: int, rt, folder: Path, tracker, stop):
+    """train(); a stop signal (the loop saved a checkpoint) is tagged on the run and raised as Stopped."""
+    result = train(model, train_data, val_data, cfg, context, rt, folder, tracker, stop)
+    if result.stopped:
+        tracker.set_tags({"stopped_by": stop.signal or "SIGTERM", "resume_from": str(folder)})
+        raise runtime.Stopped
+    return result
+
+
+def full_state_dict(model, rt: runtime.Runtime, trainable_only: bool = False) -> dict:
+    """The whole model's state on CPU, on rank 0 (gathered from FSDP shards or taken from DDP);
+    with `trainable_only`, just the trainable parameters (the adapters of a frozen base)."""
+    if getattr(model, pipeline.PART, False):  # one pipeline stage's part on each rank
+        return pipeline.full_state_dict(model, rt)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    sd = get_model_state_dict(model, options=options)
+    if trainable_only:
+        names = {ckpt.fqn(n) for n, p in model.named_parameters() if p.requires_grad}
+        sd = {k: v for k, v in sd.items() if ckpt.fqn(k) in names}
+    return {k.removeprefix("_orig_mod."): v for k, v in sd.items()} if rt.is_main else {}
 
 
 def write_curves(folder: Path, history: dict, val_column: str = "val_loss") -> None:

@@ -11,14 +11,14 @@ and a training stage's `run`:
 
     digest = stage.inputs_hash([inputs], rt)
     with stage.checkpoints(STAGE, cfg, digest, rt) as folder, stage.tracked(STAGE, cfg, digest, rt) as (tracker, _):
-        result = stage.train(model, train_data, val_data, cfg.train, context, rt, folder, tracker, stop)
+        result = loop.fit(model, train_data, val_data, cfg.train, context, rt, folder, tracker, stop)
         meta = stage.publish(output, rt, lambda tmp: save_outputs(tmp, ...))
 
 (the lock first: a second run of the same params and inputs stops before it opens an MLflow run).
 
 The stop protocol of a training stage (one that passes its `train` section to `launch`): SIGTERM or
 SIGINT (preemption, a SLURM time limit, Ctrl-C) lets the step finish, the loop saves a checkpoint,
-`stage.train` raises `Stopped`, and `launch` leaves the process group and exits with 143 (128 +
+`loop.fit` raises `Stopped`, and `launch` leaves the process group and exits with 143 (128 +
 SIGTERM), the code schedulers read as "preempted, re-run to resume". Other stages stop at once.
 """
 
@@ -31,10 +31,14 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from stages.common import atomic, ckpt, config, loop, mesh, registry, runtime, track
+from stages.common import atomic, ckpt, config, registry, runtime, track
 
 STOPPED_EXIT_CODE = 143
+if TYPE_CHECKING:  # (the training stack is the training stages' own import)
+    from stages.common.loop import TrainConfig
+
 Stopped = runtime.Stopped
 
 
@@ -94,38 +98,11 @@ def exit_if_checking(args: argparse.Namespace, section: str, cfg) -> None:
         raise SystemExit(0)
 
 
-def check_train(where: str, train: loop.TrainConfig, rt: runtime.Runtime) -> None:
-    """What a train section (at the dotted path `where`, e.g. pretrain.train) can only be checked against
-    once the processes and the device are known; before any compute."""
-    tp, pp = train.tensor_parallel, train.pipeline_parallel
-    problem = mesh.layout_problem(rt.world_size, tp, pp, train.data_parallel_replicate, train.strategy)
-    if problem:
-        raise config.UserError(f"params.yaml: {where}.{problem}")
-    try:
-        loop.grad_accum_steps(train, rt.world_size // (tp * pp))
-    except ValueError as e:
-        layout = (
-            " (processes here: the data-parallel ones, processes / (tensor x pipeline degree))" if tp * pp > 1 else ""
-        )
-        raise config.UserError(f"params.yaml: {where}.{e}{layout}") from None
-    if train.offload and not rt.distributed:
-        raise config.UserError(
-            f"params.yaml: {where}.offload: FSDP2's CPU offload shards over the processes of a torchrun run; "
-            f"this one has a single process: run it with torchrun --nproc-per-node 2 or more, or set it false"
-        )
-    if train.offload and rt.device.type != "cuda":
-        raise config.UserError(
-            f"params.yaml: {where}.offload: FSDP2's CPU offload moves parameters, gradients and optimizer "
-            f"states from GPU memory to the host; this run is on {rt.device.type}, where they are there already: "
-            f"set it false"
-        )
-
-
-def launch(section: str, body, train: loop.TrainConfig | None = None):
+def launch(section: str, body, train: TrainConfig | None = None):
     """Join the process group, run `body(rt, stop)` and leave the group (also on errors: a wrapped model
     must be gone before, which is why it lives only inside `body`). With a `train` section the stage
     checkpoints, so SIGTERM and SIGINT set `stop` instead of ending the process (the loop saves and
-    `stage.train` raises Stopped: exit 143 after teardown); other stages keep Python's handlers and
+    `loop.fit` raises Stopped: exit 143 after teardown); other stages keep Python's handlers and
     stop at once."""
     rt = runtime.init(cpu_collectives=train is not None and train.offload)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -134,7 +111,7 @@ def launch(section: str, body, train: loop.TrainConfig | None = None):
     try:
         runtime.preflight(rt)
         if train is not None:
-            check_train(f"{section}.train", train, rt)
+            train.check_layout(f"{section}.train", rt)
         return body(rt, stop)
     except Stopped:
         stopped = True
@@ -171,19 +148,10 @@ def checkpoints(section: str, cfg, digest: str, rt: runtime.Runtime, **key):
     with a clear error instead of resuming from, or writing over, checkpoints in flight."""
     params = config.as_dict(cfg)
     if isinstance(params.get("train"), dict):  # a run may resume under another layout of its processes
-        params["train"] = {k: v for k, v in params["train"].items() if k not in loop.LAYOUT_KEYS}
+        params["train"] = {k: v for k, v in params["train"].items() if k not in ckpt.LAYOUT_KEYS}
     folder = ckpt.checkpoint_dir(section, {**params, **key}, digest)
     with ckpt.exclusive(folder, rt):
         yield folder
-
-
-def train(model, train_data, val_data, cfg: loop.TrainConfig, context: int, rt, folder: Path, tracker, stop):
-    """loop.train; a stop signal (the loop saved a checkpoint) is tagged on the run and raised as Stopped."""
-    result = loop.train(model, train_data, val_data, cfg, context, rt, folder, tracker, stop)
-    if result.stopped:
-        tracker.set_tags({"stopped_by": stop.signal or "SIGTERM", "resume_from": str(folder)})
-        raise Stopped
-    return result
 
 
 def write_metrics(folder: str | Path, figures: dict, headline: dict) -> None:
