@@ -155,17 +155,11 @@ def family(resources: dict) -> str:
     return Path(resources["container"]).stem
 
 
-def module_file(root: Path, module: str) -> Path:
-    base = root.joinpath(*module.split("."))
-    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
-
-
 @functools.lru_cache(maxsize=4)
 def code_deps(root: Path, modules: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
-    """{module: the repository files that run when it is imported}, relative to `root`: the module, every
-    module of `stages` and `pipelines` it imports, transitively, and the `__init__.py` of each of their
-    packages. Read by grimp from the source; a repository other than this one (a test's copy) is read
-    in a process started there, so its own files are the ones found."""
+    """{module: the repository files that run when it is imported} (stages.common.provenance.code_files).
+    A repository other than this one (a test's copy) is read in a process started there, so that its own
+    files are the ones found."""
     if root != ROOT:
         code = "import json, sys; from pipelines import dag; "
         code += "print(json.dumps(dag.code_deps(dag.ROOT, tuple(sys.argv[1:]))))"
@@ -175,19 +169,16 @@ def code_deps(root: Path, modules: tuple[str, ...]) -> dict[str, tuple[str, ...]
         import json
 
         return {k: tuple(v) for k, v in json.loads(proc.stdout).items()}
-    import grimp
+    from stages.common import provenance
 
-    graph = grimp.build_graph("stages", "pipelines", cache_dir=None, exclude_type_checking_imports=True)
     deps = {}
     for module in modules:
-        if module not in graph.modules:
-            raise TableError(f"stage {module.split('.')[-1]}: no module {module} ({module.replace('.', '/')}.py)")
-        files = set()
-        for name in {module} | graph.find_upstream_modules(module):
-            parts = name.split(".")
-            files |= {module_file(root, ".".join(parts[:i])) for i in range(1, len(parts))}  # its packages
-            files.add(module_file(root, name))
-        deps[module] = tuple(sorted(str(f.relative_to(root)) for f in files))
+        try:
+            deps[module] = tuple(provenance.code_files(module, root))
+        except KeyError:
+            raise TableError(
+                f"stage {module.split('.')[-1]}: no module {module} ({module.replace('.', '/')}.py)"
+            ) from None
     return deps
 
 
@@ -201,12 +192,11 @@ def family_packages(stages: dict[str, Stage]) -> dict[str, str]:
     installed here (importlib.metadata; the environment `make venv` builds from the lock)."""
     import importlib.metadata
 
-    import grimp
     from packaging.requirements import Requirement
 
-    graph = grimp.build_graph(
-        "stages", "pipelines", cache_dir=None, exclude_type_checking_imports=True, include_external_packages=True
-    )
+    from stages.common import provenance
+
+    graph = provenance.import_graph(True)
     providers = importlib.metadata.packages_distributions()
     pinned = {}
     for line in LOCK.read_text().splitlines():

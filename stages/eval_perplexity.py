@@ -57,7 +57,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages.common import atomic, ckpt, config, registry, runtime, shards, stage, track
+from stages.common import atomic, ckpt, config, provenance, registry, runtime, shards, stage, track
 
 STAGE = "eval_perplexity"
 METRICS = ("nll", "perplexity", "bits_per_byte", "byte_perplexity", "word_perplexity", "tokens", "tokens_per_s")
@@ -459,6 +459,7 @@ def run(specs, streams, cfg: Config, output: Path, rt: runtime.Runtime, tracker:
                     "world_size": rt.world_size,
                     "git_commit": track.git_commit(),
                     "cpu": runtime.cpu_info(),
+                    "packages": provenance.packages(f"stages.{STAGE}"),
                 },
             )
     if rt.is_main:

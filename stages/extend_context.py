@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common import atomic, ckpt, config, loop, runtime, shards, stage, track
+from stages.common import atomic, ckpt, config, loop, provenance, runtime, shards, stage, track
 
 STAGE = "extend_context"
 UNSCALED = "unscaled"
@@ -293,6 +293,7 @@ def write_outputs(
         "git_commit": track.git_commit(),
         "compute_dtype": str(runtime.compute_dtype(device, cfg.train.precision)),
         "cpu": runtime.cpu_info(),
+        "packages": provenance.packages(f"stages.{STAGE}"),
     }
     atomic.write_json(tmp / "meta.json", meta)
     metrics = {

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common import atomic, ckpt, config, instructions, loop, runtime, stage, track
+from stages.common import atomic, ckpt, config, instructions, loop, provenance, runtime, stage, track
 
 STAGE = "finetune_qlora"
 QUANTIZATIONS = ("nf4", "none")
@@ -402,6 +402,7 @@ def run(
             "compute_dtype": str(runtime.compute_dtype(rt.device)),
             "world_size": rt.world_size,
             "cpu": runtime.cpu_info(),
+            "packages": provenance.packages(f"stages.{STAGE}"),
         }
 
         def write(tmp: Path) -> None:

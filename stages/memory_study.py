@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from stages import pretrain
-from stages.common import atomic, config, loop, runtime, shards, stage, track
+from stages.common import atomic, config, loop, provenance, runtime, shards, stage, track
 
 STAGE = "memory_study"
 BASELINE = "baseline"
@@ -261,7 +261,12 @@ def write_outputs(tmp: Path, cfg: Config, table: dict) -> dict:
         tmp, {"context": longest, "techniques": metrics}, {"peak_mb": {n: m["peak_mb"] for n, m in metrics.items()}}
     )
     atomic.write_json(tmp / "results.json", result_rows(cfg, table))
-    atomic.write_json(tmp / "meta.json", {"git_commit": track.git_commit(), "cpu": runtime.cpu_info()})
+    meta = {
+        "git_commit": track.git_commit(),
+        "cpu": runtime.cpu_info(),
+        "packages": provenance.packages(f"stages.{STAGE}"),
+    }
+    atomic.write_json(tmp / "meta.json", meta)
     plot(cfg, table, tmp / "plots/memory.png")
     return metrics
 

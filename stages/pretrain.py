@@ -29,7 +29,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.common import atomic, ckpt, config, loop, runtime, shards, stage, track
+from stages.common import atomic, ckpt, config, loop, provenance, runtime, shards, stage, track
 
 STAGE = "pretrain"
 
@@ -137,6 +137,7 @@ def save_outputs(tmp: Path, model_sd: dict, cfg: Config, meta_in: dict, inp: Pat
         "compute_dtype": result.compute_dtype,
         "optimizer_state_bytes": result.optimizer_state_bytes,  # rank 0's (its shard under fsdp)
         "cpu": runtime.cpu_info(),
+        "packages": provenance.packages(f"stages.{STAGE}"),
     }
     atomic.write_json(tmp / "meta.json", meta)
     figures = {k: meta[k] for k in ("final_train_loss", "final_val_loss", "tokens_seen", "parameters")}

@@ -21,7 +21,7 @@ to raw/). Writes data/train_gnn/: figures.json (accuracies per model: mean and s
 epochs, times), metrics.json (mean test accuracy per model: DVC metrics), results.json (report rows),
 seeds.json, plots/,
 models/<model>-seed<N>.pt, loaded with stages.models.gnn:
-    ckpt = torch.load(path, weights_only=False)
+    ckpt = torch.load(path, weights_only=True)  # plain data: a file from a remote runs no code
     model = build_model(ckpt["model"], **ckpt["kwargs"]); model.load_state_dict(ckpt["state_dict"])
 
 Run:

@@ -485,3 +485,70 @@ def test_memory_mapped_stream_gives_the_windows_of_the_loaded_split(tokenized):
             assert torch.equal(x, y)
     with pytest.raises(TypeError):
         stream[3]
+
+
+def test_a_checkpoint_of_other_code_is_resumed_only_when_asked(tokenized, tmp_path, monkeypatch, capsys):
+    """A checkpoint records its stage's code hash and torch version. With other code (here: the record
+    this run computes, as after an edit of stages/common/mesh.py) the stage refuses it before training,
+    naming both and the two ways on; PIPELINE_RESUME=across-code resumes it and tags the MLflow run and
+    the registered model; PIPELINE_RESUME=fresh sets it aside and starts over."""
+    import mlflow
+
+    from stages.common import provenance
+
+    ckpt_root = tmp_path / "ckpts"
+    args = ["train.checkpoint_every=2"]
+
+    def killed_at_step_4():
+        proc = run(tokenized, tmp_path / "out", 1, *args, check=False, PIPELINE_FAULT_IN_CHECKPOINT="4",
+                   PIPELINE_CHECKPOINTS=str(ckpt_root))  # fmt: skip
+        assert proc.returncode != 0
+        (folder,) = (p for p in ckpt_root.glob("pretrain/*") if p.is_dir() and "set-aside" not in p.name)
+        return folder
+
+    folder = killed_at_step_4()
+    written = json.loads((folder / "step-2/writer.json").read_text())
+    code = provenance.code_digest("stages.pretrain")
+    assert written["code_sha256"] == code["sha256"] and written["torch"] == torch.__version__
+    assert written["code_files"]["stages/common/mesh.py"] == code["files"]["stages/common/mesh.py"]
+    monkeypatch.chdir(tokenized)
+    monkeypatch.setattr(ckpt, "CHECKPOINT_ROOT", ckpt_root)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    real = ckpt.writer_record
+
+    def edited(module):
+        record = real(module)
+        files = {**record["code_files"], "stages/common/mesh.py": "0" * 64}
+        return {**record, "code_files": files, "code_sha256": "e" * 64}
+
+    monkeypatch.setattr(ckpt, "writer_record", edited)
+    argv = ["--input", "data/tokenize", "--output", str(tmp_path / "out"), *TINY, *args]
+    message = (
+        r"written by other code than this run's \(code [0-9a-f]{12} -> eeeeeeeeeeee \(stages/common/mesh.py "
+        r"changed\)\).* PIPELINE_RESUME=fresh; or resume anyway: PIPELINE_RESUME=across-code"
+    )
+    with pytest.raises(config.UserError, match=message):
+        pretrain.main(argv)
+    assert not (tmp_path / "out").exists() and (folder / "step-2").is_dir()
+
+    monkeypatch.setenv("PIPELINE_RESUME", "across-code")
+    capsys.readouterr()
+    pretrain.main(argv)
+    assert f"resuming from {folder / 'step-2'} (step 2)" in capsys.readouterr().out
+    across = f"code {code['sha256'][:12]}, torch {torch.__version__} -> code eeeeeeeeeeee, torch {torch.__version__}"
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (version,) = client.search_model_versions("name = 'pretrain'")
+    assert version.tags["resumed_across_code"] == across and version.tags["code_sha256"] == "e" * 64
+    assert client.get_run(version.run_id).data.tags["resumed_across_code"] == across
+
+    folder = killed_at_step_4()
+    monkeypatch.setenv("PIPELINE_RESUME", "fresh")
+    pretrain.main(argv)
+    out = capsys.readouterr().out
+    assert "checkpoints of other code set aside in" in out and "resuming from" not in out, out
+    (aside,) = ckpt_root.glob(f"pretrain/{folder.name}.set-aside-*")
+    assert (aside / "step-2/writer.json").is_file(), "the old checkpoints are kept"
+    run_ = client.search_runs([client.get_experiment_by_name("pipeline").experiment_id], order_by=["start_time DESC"])[
+        0
+    ]
+    assert "resumed_across_code" not in run_.data.tags and run_.data.tags["code_sha256"] == "e" * 64

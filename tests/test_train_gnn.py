@@ -58,7 +58,7 @@ def test_outputs_load_into_stock_pyg_layers_and_reproduce_test_accuracy(trained)
     data = train_gnn.load_planetoid(root / "data/prepare_data", "Cora")
     test = data.test_mask.nonzero().view(-1)
     for row in seeds_of(root):
-        saved = torch.load(out / "models" / f"{row['model']}-seed{row['seed']}.pt", weights_only=False)
+        saved = torch.load(out / "models" / f"{row['model']}-seed{row['seed']}.pt", weights_only=True)
         model = gnn.build_model(saved["model"], **saved["kwargs"])
         model.load_state_dict(saved["state_dict"])
         model.eval()

@@ -270,6 +270,55 @@ def state_dicts(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
     return model_sd, optim_sd, options
 
 
+# Who writes this process's checkpoints: its stage's code hash and the torch version (stage.checkpoints
+# sets it); saved beside each checkpoint's state and compared before one is resumed.
+WRITER: dict = {}
+WRITER_FILE = "writer.json"
+
+
+def writer_record(module: str) -> dict:
+    from stages.common import provenance
+
+    try:
+        digest = provenance.code_digest(module)
+    except KeyError:  # not a stage module
+        digest = {"sha256": "unknown", "files": {}}
+    return {"code_sha256": digest["sha256"], "code_files": digest["files"], "torch": torch.__version__}
+
+
+def read_writer(path: Path) -> dict:
+    """The writer record of the checkpoint at `path` ({} when it has none)."""
+    try:
+        return json.loads((Path(path) / WRITER_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def writer_change(written: dict, writer: dict) -> str | None:
+    """What differs between the code and torch that wrote a checkpoint and this run's, or None."""
+    from stages.common import provenance
+
+    changes = []
+    if written.get("code_sha256") != writer["code_sha256"]:
+        files = provenance.changed_files({"files": written.get("code_files", {})}, {"files": writer["code_files"]})
+        named = f" ({', '.join(files[:5])}{', ...' if len(files) > 5 else ''} changed)" if written else ""
+        changes.append(
+            f"code {str(written.get('code_sha256', 'unrecorded'))[:12]} -> {writer['code_sha256'][:12]}{named}"
+        )
+    if written.get("torch") != writer["torch"]:
+        changes.append(f"torch {written.get('torch', 'unrecorded')} -> {writer['torch']}")
+    return "; ".join(changes) or None
+
+
+def set_aside(folder: Path) -> Path:
+    """Move a checkpoint folder out of the way (kept, renamed with the time), so a run starts afresh."""
+    import time
+
+    aside = folder.with_name(f"{folder.name}.set-aside-{time.strftime('%Y%m%dT%H%M%S')}")
+    folder.rename(aside)
+    return aside
+
+
 def save_checkpoint(
     folder: Path,
     step: int,
@@ -290,6 +339,7 @@ def save_checkpoint(
         if rt.is_main:
             extra = {**(state or {}), "step": step, "history": history, "torch_rng": torch.get_rng_state()}
             torch.save(extra, tmp / "extra.pt")
+            atomic.write_json(tmp / WRITER_FILE, WRITER or writer_record(""))
         runtime.barrier()  # every rank's shard is on disk before the manifest records them
         if rt.is_main:
             write_manifest(tmp)

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stages.common import atomic, ckpt, config, registry, runtime, track
+from stages.common import atomic, ckpt, config, provenance, registry, runtime, track
 
 STOPPED_EXIT_CODE = 143
 if TYPE_CHECKING:  # (the training stack is the training stages' own import)
@@ -130,12 +130,28 @@ def inputs_hash(paths, rt: runtime.Runtime) -> str:
     return runtime.broadcast_object(ckpt.hash_files(paths) if rt.is_main else None)
 
 
+def record_tags(section: str) -> dict:
+    """What a stage's run and registered models carry besides its params and inputs: the hash of its code
+    (stages.common.provenance), the versions of the packages it imports, and, after a resume across a
+    code or torch change (PIPELINE_RESUME=across-code), what it resumed from."""
+    module = f"stages.{section}"
+    tags = {"code_sha256": ckpt.writer_record(module)["code_sha256"]}
+    try:
+        tags |= {f"package.{name}": version for name, version in provenance.packages(module).items()}
+    except KeyError:  # not a stage module (a bench's own run)
+        pass
+    if RESUMED_ACROSS_CODE.get(section):
+        tags["resumed_across_code"] = RESUMED_ACROSS_CODE[section]
+    return tags
+
+
 @contextlib.contextmanager
 def tracked(section: str, cfg, inputs, rt: runtime.Runtime, tags: dict | None = None):
     """The stage's MLflow run (params: its whole section), tagged with the content hash of `inputs` (paths,
-    or their hash from `inputs_hash`). Every rank enters it; rank 0 logs, and the first process of each
-    node its system metrics (track.node_metrics). Yields (tracker, inputs hash)."""
+    or their hash from `inputs_hash`) and the stage's record_tags. Every rank enters it; rank 0 logs, and
+    the first process of each node its system metrics (track.node_metrics). Yields (tracker, inputs hash)."""
     digest = inputs if isinstance(inputs, str) else inputs_hash(inputs, rt)
+    tags = {**record_tags(section), **(tags or {})}
     with track.start_run(section, config.as_dict(cfg), digest, rt, tags=tags) as tracker:
         with track.node_metrics(tracker, rt):
             yield tracker, digest
@@ -145,13 +161,68 @@ def tracked(section: str, cfg, inputs, rt: runtime.Runtime, tags: dict | None = 
 def checkpoints(section: str, cfg, digest: str, rt: runtime.Runtime, **key):
     """The checkpoint folder of these params and inputs (plus `key`, e.g. a variant name), held by this
     run while it trains into it and publishes: a second run of the same stage, params and inputs stops
-    with a clear error instead of resuming from, or writing over, checkpoints in flight."""
+    with a clear error instead of resuming from, or writing over, checkpoints in flight. Checkpoints
+    written by other code or another torch are not resumed (see resume_problem) unless PIPELINE_RESUME
+    says what to do with them."""
     params = config.as_dict(cfg)
     if isinstance(params.get("train"), dict):  # a run may resume under another layout of its processes
         params["train"] = {k: v for k, v in params["train"].items() if k not in ckpt.LAYOUT_KEYS}
     folder = ckpt.checkpoint_dir(section, {**params, **key}, digest)
+    RESUMED_ACROSS_CODE.pop(section, None)
     with ckpt.exclusive(folder, rt):
+        writer = ckpt.writer_record(f"stages.{section}")
+        problem, across = None, None
+        if rt.is_main:
+            problem, across = resume_problem(folder, writer)
+        problem, across = runtime.broadcast_object((problem, across))
+        if problem:
+            raise config.UserError(problem)
+        if across:
+            RESUMED_ACROSS_CODE[section] = across
+        ckpt.WRITER.clear()
+        ckpt.WRITER.update(writer)
         yield folder
+
+
+RESUME_CHOICES = ("fresh", "across-code")
+# {section: "<old> -> <new>"} when this process resumed checkpoints of other code (PIPELINE_RESUME=across-code)
+RESUMED_ACROSS_CODE: dict[str, str] = {}
+
+
+def resume_problem(folder: Path, writer: dict) -> tuple[str | None, str | None]:
+    """(why the checkpoints in `folder` are not resumed, or None; "<old> -> <new>" when they are resumed
+    across a change). A checkpoint records the hash of its stage's code and the torch version that wrote
+    it: resuming one of other code would publish a model trained partly by that code under this one's
+    commit, and torch's distributed checkpoints promise no compatibility across versions. A SLURM requeue
+    of the same code resumes as ever. PIPELINE_RESUME=fresh sets the folder aside and starts over;
+    PIPELINE_RESUME=across-code resumes and tags the run and its models."""
+    choice = os.environ.get("PIPELINE_RESUME", "")
+    if choice and choice not in RESUME_CHOICES:
+        return f"PIPELINE_RESUME={choice}: unknown; valid: {', '.join(RESUME_CHOICES)} (or unset)", None
+    differences = []
+    for path in ckpt.checkpoints(folder):
+        written = ckpt.read_writer(path)
+        change = ckpt.writer_change(written, writer)
+        if change:
+            differences.append((path, written, change))
+    if not differences:
+        return None, None
+    path, written, change = differences[0]
+    old = f"code {written.get('code_sha256', 'unknown')[:12]}, torch {written.get('torch', 'unknown')}"
+    new = f"code {writer['code_sha256'][:12]}, torch {writer['torch']}"
+    if choice == "across-code":
+        print(f"warning: resuming {path} across a change ({change}), as PIPELINE_RESUME=across-code asks", flush=True)
+        return None, f"{old} -> {new}"
+    if choice == "fresh":
+        aside = ckpt.set_aside(folder)
+        print(f"PIPELINE_RESUME=fresh: checkpoints of other code set aside in {aside}; starting afresh", flush=True)
+        return None, None
+    return (
+        f"checkpoint {path} was written by other code than this run's ({change}); resuming it would finish "
+        f"that training with this code. Start afresh, keeping it aside: PIPELINE_RESUME=fresh; or resume "
+        f"anyway: PIPELINE_RESUME=across-code (the MLflow run and its registered models are tagged "
+        f"resumed_across_code: {old} -> {new})"
+    ), None
 
 
 def write_metrics(folder: str | Path, figures: dict, headline: dict) -> None:
@@ -190,6 +261,7 @@ def register_models(tracker, section: str, cfg, models: dict, output, inputs: li
     versions = {}
     try:
         tags = registry.lineage(Path(output), [Path(p) for p in inputs], config.as_dict(cfg), digest)
+        tags |= {k: v for k, v in record_tags(section).items() if not k.startswith("package.")}
         for item, folder in models.items():
             name = registry.model_name(section, item)
             what = f"{section} stage's model" + (f" ({item})" if item else "")
