@@ -21,7 +21,7 @@ from pipelines.commit import hold_pipeline_lock, plans_only, repair as repair_dv
 from pipelines.dag import check_params, fill, is_dir, load_table
 from snakemake.exceptions import WorkflowError
 from stages.common.config import ConfigError
-from pipelines.sync import align_mtimes
+from pipelines.sync import align
 
 # One id per invocation groups this run's stages in MLflow (jobs, local or on a cluster, inherit it).
 os.environ.setdefault("PIPELINE_RUN_ID", "smk-" + uuid.uuid4().hex[:12])
@@ -54,9 +54,9 @@ if workflow.is_main_process and not config.get("dump_rules"):
         print(f"note: {running}; not syncing with DVC (the plan may show its stages as pending)", file=sys.stderr)
     elif not os.environ.get("PIPELINE_NO_SYNC"):
         repair_dvc_lock()
-        # Outputs DVC restored or rebuilt count as current when dvc.lock says so, and outputs of stages
-        # DVC sees as changed count as stale (see pipelines/sync.py).
-        align_mtimes()
+        # Outputs DVC restored or rebuilt count as current when dvc.lock says so, outputs of stages DVC
+        # sees as changed count as stale, and outputs changed in place are re-made (see pipelines/sync.py).
+        align(snakefile=workflow.main_snakefile)
 with open("params.yaml") as fh:
     PARAMS = yaml.safe_load(fh)
 

@@ -111,6 +111,7 @@ def commit_lock():
 
 
 READ_ONLY_FLAGS = {
+    "--cleanup-metadata",  # forgets Snakemake's records of files (pipelines/sync.py), runs no job
     "--dry-run",
     "--dryrun",
     "--list-rules",

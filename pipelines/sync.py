@@ -3,12 +3,19 @@
 `dvc checkout` (and `dvc repro`, `dvc pull`) write outputs with fresh modification times: a restored
 upstream folder is then newer than the downstream outputs made from it, and Snakemake would re-run
 stages whose inputs did not change. DVC knows better: it compares content hashes with dvc.lock.
-The Snakefile calls `align_mtimes()` when it loads; for each stage that `dvc status` reports as
+The Snakefile calls `align()` when it loads; for each stage that `dvc status` reports as
 current, in dependency order, outputs older than an input get that input's time (plus 1 ms), so
 Snakemake sees them as up to date too. Stages DVC would re-run (code, params, inputs or outputs differ
 from dvc.lock) get outputs older than their newest input, so Snakemake re-runs them even when it has
 no records of its own that would show the change (after `dvc repro` or `dvc checkout`, which leave
 none): the two tools agree through DVC's content hashes, never through Snakemake's metadata alone.
+
+Times alone cannot tell Snakemake about an output changed in place (a hand edit, a partial restore):
+for an output older than an input it compares the input's checksum with the one it recorded when it
+made the output, and a stage such as prepare_data reads only code, unchanged. `align()` therefore also
+finds the outputs DVC reports modified and has Snakemake forget its records of them (`snakemake
+--cleanup-metadata`): with their times aged below their inputs', Snakemake re-makes them and what
+follows, as `dvc repro` would.
 
     python -m pipelines.sync          # the same, by hand
 """
@@ -65,10 +72,43 @@ def is_stale(items: list) -> bool:
     return False
 
 
-def align_mtimes(root: Path = Path(".")) -> list[str]:
+def modified_outputs(status: dict, root: Path = Path(".")) -> list[str]:
+    """The outputs, as the Snakefile names them, of every stage whose outputs DVC finds modified."""
+    table = load_table(root / "pipelines/stages.yaml")
+    found = []
+    for st in table.values():
+        for name, item in st.instances():
+            changed = [i.get("changed outs") or {} for i in status.get(name, []) if isinstance(i, dict)]
+            if any("modified" in c.values() for c in changed):
+                found += [fill(o, item) for o in st.outs]
+    return found
+
+
+def forget_records(paths: list[str], snakefile: str | Path = "Snakefile", root: Path = Path(".")) -> None:
+    """Snakemake's records (metadata) of `paths` removed, by Snakemake itself (the Snakefile it loads for
+    that takes no pipeline lock, and skips this alignment: PIPELINE_NO_SYNC)."""
+    env = {**os.environ, "PIPELINE_NO_SYNC": "1"}
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(snakefile), "--cores", "1", "--cleanup-metadata"]
+    # (a path without a record is reported and left alone: there is nothing to forget)
+    subprocess.run([*cmd, *paths], cwd=root, env=env, capture_output=True, text=True)
+
+
+def align(root: Path = Path("."), snakefile: str | Path = "Snakefile") -> tuple[list[str], list[str]]:
+    """align_mtimes, and Snakemake's records of the outputs DVC finds modified forgotten (forget_records):
+    returns (outputs whose times were set, modified outputs)."""
+    status = dvc_status(root)
+    if status is None:
+        return [], []
+    bumped, modified = align_mtimes(root, status), modified_outputs(status, root)
+    if modified:
+        forget_records(modified, snakefile, root)
+    return bumped, modified
+
+
+def align_mtimes(root: Path = Path("."), status: dict | None = None) -> list[str]:
     """Age the outputs of DVC-changed stages below their inputs, and bump outputs of DVC-current stages
     that are older than their inputs; returns the outputs whose times were set."""
-    status = dvc_status(root)
+    status = dvc_status(root) if status is None else status
     if status is None:
         return []
     changed = set(status)
@@ -105,5 +145,7 @@ def align_mtimes(root: Path = Path(".")) -> list[str]:
 
 
 if __name__ == "__main__":
-    done = align_mtimes()
+    done, forced = align()
     print("aligned: " + (", ".join(done) if done else "nothing to do"))
+    if forced:
+        print("modified since dvc.lock (re-made by the next run): " + ", ".join(forced))

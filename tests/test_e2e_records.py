@@ -1,9 +1,10 @@
 """On a copy of the shared ci run (tests/shared_run.py), what a finished pipeline leaves and what a user
 may do to it next: the model registry it filled (lineage from dvc.lock, the alias `reproduced` by the
 report's rows, models read back by alias); a dvc.lock emptied by a kill during a commit, restored;
-the environment's snakemake started by its path; and an invocation whose stage fails before it opens its
-MLflow run, recorded FAILED under either tool. tests/test_e2e.py checks that both tools agree on what is
-current."""
+the environment's snakemake started by its path; an invocation whose stage fails before it opens its
+MLflow run, recorded FAILED under either tool; an edit to a module the training stages import, and an
+output changed in place, seen alike by both tools. tests/test_e2e.py checks that both tools agree on
+what is current."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from shared_run import copy_of_run, env_for, sh
-from test_e2e import UP_TO_DATE, set_growth, snakemake_ran
+from test_e2e import DOWNSTREAM, UP_TO_DATE, set_growth, snakemake_ran
 
 pytestmark = pytest.mark.e2e
 
@@ -137,5 +138,52 @@ def test_a_stage_failing_before_its_run_opens_marks_the_invocation_failed_under_
         sh("dvc checkout context_study", clone)  # Snakemake removed the failed job's output
     smk = [r for r in failed_parents() if r.data.tags["pipeline_run"].startswith("smk-")]
     assert len(smk) == 1 and smk[0].data.tags["unfinished_stages"] == "context_study:FAILED"
+    assert UP_TO_DATE in sh("dvc status", clone)
+    assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
+
+
+def planned(clone: Path) -> set[str]:
+    return snakemake_ran(sh("snakemake --cores 2 -n", clone))
+
+
+def test_an_edit_to_an_imported_module_reruns_what_imports_it_and_what_follows(clone):
+    """stages/common/mesh.py is no stage's own file: the training stages import it through the loop.
+    Both tools name those stages, Snakemake with everything downstream of them, and nothing else."""
+    mesh = clone / "stages/common/mesh.py"
+    source = mesh.read_text()
+    try:
+        mesh.write_text(source + "\n# an edit\n")
+        training = {"pretrain", "extend_context", "finetune_qlora@nf4", "finetune_qlora@none", "memory_study"}
+        assert set(json.loads(sh("dvc status --json", clone))) == training
+        downstream = {"eval_perplexity", "context_study", "report"}
+        assert planned(clone) == {"pretrain", "extend_context", "finetune_qlora", "memory_study", *downstream}
+    finally:
+        mesh.write_text(source)
+    assert UP_TO_DATE in sh("dvc status", clone)
+    assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
+
+
+def test_an_output_changed_in_place_is_remade_by_both_tools(clone):
+    """An output edited by hand: DVC flags its stage, and Snakemake re-makes it and what follows, for a
+    stage that reads only code (prepare_data; a plan: its re-run is the whole pipeline) and for one that
+    reads folders (context_study: re-run, then both tools find everything current)."""
+    corpus = clone / "data/prepare_data/corpus/train.txt"
+    text = corpus.read_bytes()
+    try:
+        corpus.write_bytes(text + b"x\n")
+        status = json.loads(sh("dvc status --json", clone))
+        assert status["prepare_data"] == [{"changed outs": {"data/prepare_data": "modified"}}]
+        everything = {"prepare_data", *DOWNSTREAM, "finetune_qlora", "eval_perplexity", "train_gnn"}
+        assert planned(clone) == everything
+    finally:
+        corpus.write_bytes(text)
+    assert UP_TO_DATE in sh("dvc status", clone)
+    assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone), "Snakemake's records come back whole"
+
+    study = clone / "data/context_study/study.md"
+    study.write_text(study.read_text() + "\nan edit\n")
+    assert set(json.loads(sh("dvc status --json", clone))) == {"context_study", "report"}
+    assert snakemake_ran(sh("snakemake --cores 2", clone)) == {"context_study", "report"}
+    assert "an edit" not in study.read_text()
     assert UP_TO_DATE in sh("dvc status", clone)
     assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
