@@ -21,6 +21,7 @@ ORDER = [
     "tests/test_e2e.py",
     "tests/test_parallel.py",
     "tests/test_e2e_records.py",
+    "tests/test_e2e_experiments.py",
     "tests/system/test_browser.py",
     "tests/system/test_containers.py",
     "tests/test_pretrain.py",

@@ -72,7 +72,12 @@ def weights_problem(folder: str | Path, adapter: bool = False) -> str | None:
     return None
 
 
-CHECKPOINT_ROOT = Path(os.environ.get("PIPELINE_CHECKPOINTS", "checkpoints"))
+# PIPELINE_CHECKPOINTS, else checkpoints/ in the repository (DVC_ROOT: also for a queued or temporary DVC
+# experiment, whose copy of the repository DVC deletes), else in the working directory.
+CHECKPOINT_ROOT = Path(
+    os.environ.get("PIPELINE_CHECKPOINTS")
+    or (Path(os.environ["DVC_ROOT"]) / "checkpoints" if os.environ.get("DVC_ROOT") else "checkpoints")
+)
 
 
 def hash_files(paths) -> str:

@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -206,6 +207,13 @@ def _cpuinfo() -> tuple[str, frozenset]:
 def cpu_has_native_bf16() -> bool:
     """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16)."""
     return bool({"avx512_bf16", "amx_bf16"} & _cpuinfo()[1])
+
+
+def workspace() -> Path:
+    """The repository whose records (the MLflow store, checkpoints) a stage keeps: DVC_ROOT where DVC
+    runs the stage, which names the repository's root also for queued and temporary experiments (they
+    run in a copy under .dvc/tmp/exps that DVC deletes afterwards), else the working directory."""
+    return Path(os.environ.get("DVC_ROOT") or Path.cwd()).resolve()
 
 
 def cpu_info() -> dict:

@@ -89,7 +89,8 @@ def view_url(base: str, experiment_id: str) -> str:
 
 
 def tracking_uri(root: Path | None = None) -> str:
-    root = Path(root or Path.cwd()).resolve()
+    """MLFLOW_TRACKING_URI, else the repository's SQLite store (mlflow.db in runtime.workspace())."""
+    root = Path(root or runtime.workspace()).resolve()
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
 
 
@@ -336,7 +337,7 @@ def record_stage_end(label: str, code: int) -> str | None:
     if code == 0 or not group or tracking_off() or server_problem(tracking_uri()):
         return None
     killed = code in (143, 130, -15, -2)
-    root = Path.cwd().resolve()
+    root = runtime.workspace()
     client, experiment_id = experiment(root)
     lock = parent_lock(root)
     parent = _parent_run(client, experiment_id, group, lock)
@@ -406,7 +407,7 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
         )
     import mlflow
 
-    root = Path.cwd().resolve()
+    root = runtime.workspace()
     uri = tracking_uri(root)
     mlflow.set_tracking_uri(uri)
     client, experiment_id = experiment(root)
