@@ -21,6 +21,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import site
 import sqlite3
 import subprocess
 import sys
@@ -110,7 +111,10 @@ def key_parts(root: Path = ROOT, mirror: Path = MIRROR) -> list[str]:
     """What the ci run's outputs follow from (see the module docstring), one line each."""
     parts = [f"file {name} {hashlib.sha256((root / name).read_bytes()).hexdigest()}" for name in tree_files(root)]
     parts.append(f"python {sys.version} {sys.executable}")
-    parts += sorted(f"package {d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
+    # The environment's installed distributions: from its site-packages folders only, not from whatever
+    # else an import put on sys.path in this process (setuptools adds its vendored packages).
+    installed = importlib.metadata.distributions(path=site.getsitepackages())
+    parts += sorted({f"package {d.metadata['Name']}=={d.version}" for d in installed})
     parts.append(f"mirror {mirror.resolve()}")
     for path in sorted(p for p in mirror.rglob("*") if p.is_file()):
         parts.append(f"mirror-file {path.relative_to(mirror)} {hashlib.sha256(path.read_bytes()).hexdigest()}")
