@@ -9,6 +9,7 @@ what is current."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -160,6 +161,19 @@ def test_an_edit_to_an_imported_module_reruns_what_imports_it_and_what_follows(c
     finally:
         mesh.write_text(source)
     assert UP_TO_DATE in sh("dvc status", clone)
+    # A new version of a package the language-model stages import (as after `make lock`): each of them,
+    # not train_gnn, whose family pins its own list.
+    packages = clone / "pipelines/packages/lm.txt"
+    pinned = packages.read_text()
+    try:
+        packages.write_text(re.sub(r"\ntransformers==\S+", "\ntransformers==99.0.0", pinned))
+        assert pinned != packages.read_text()
+        lm = {"prepare_data", "tokenize", "pretrain", "extend_context", "context_study", "memory_study", "report"}
+        lm |= {f"finetune_qlora@{q}" for q in ("nf4", "none")}
+        lm |= {f"eval_perplexity@{m}" for m in ("pretrain", "extend_context")}
+        assert set(json.loads(sh("dvc status --json", clone))) == lm
+    finally:
+        packages.write_text(pinned)
     assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
 
 
