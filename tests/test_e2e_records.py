@@ -3,7 +3,8 @@ may do to it next: the model registry it filled (lineage from dvc.lock, the alia
 report's rows, models read back by alias); a dvc.lock emptied by a kill during a commit, restored;
 the environment's snakemake started by its path; an invocation whose stage fails before it opens its
 MLflow run, recorded FAILED under either tool; an edit to a module the training stages import, and an
-output changed in place, seen alike by both tools. tests/test_e2e.py checks that both tools agree on
+output changed in place, seen alike by both tools; `pipelines.verify` on the run, and on each link
+broken once. tests/test_e2e.py checks that both tools agree on
 what is current."""
 
 from __future__ import annotations
@@ -201,3 +202,77 @@ def test_an_output_changed_in_place_is_remade_by_both_tools(clone):
     assert "an edit" not in study.read_text()
     assert UP_TO_DATE in sh("dvc status", clone)
     assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
+
+
+def test_verify_holds_after_a_run_and_names_each_broken_link(clone):
+    """`python -m pipelines.verify` on the run: every link holds. Then one link broken at a time (a
+    reproduced figure, a model file, dvc.lock, a registry tag, the code): it exits 1 naming that link."""
+    import mlflow
+
+    out = sh("python -m pipelines.verify", clone)
+    assert "every link holds" in out and "BROKEN" not in out, out
+    for link in ("report", "outs", "causes", "registry", "checkpoints"):
+        assert re.search(rf"^ok +{link} ", out, re.M), link
+
+    def broken() -> str:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pipelines.verify"], cwd=clone, env=env_for(clone), capture_output=True, text=True
+        )
+        assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    def edited(path: Path, change) -> str:
+        saved = path.read_bytes()
+        try:
+            change(path)
+            return broken()
+        finally:
+            path.write_bytes(saved)
+
+    def one_more(path: Path) -> None:
+        rows = json.loads(path.read_text())
+        rows[0]["ours"] += 1
+        path.write_text(json.dumps(rows))
+
+    results = clone / "data/train_gnn/results.json"
+    row = json.loads(results.read_text())[0]["result"]
+    out = edited(results, one_more)
+    assert re.search(rf"^BROKEN +report +row '{re.escape(row)}' shows", out, re.M), out
+    assert re.search(r"^BROKEN +outs +data/train_gnn is modified against dvc.lock", out, re.M), out
+
+    out = edited(clone / "data/pretrain/model/config.json", lambda p: p.write_text(p.read_text() + " "))
+    assert re.search(r"^BROKEN +outs +data/pretrain is modified .*mend: dvc checkout data/pretrain", out, re.M), out
+
+    lock = yaml.safe_load((clone / "dvc.lock").read_text())
+    md5 = next(o["md5"] for o in lock["stages"]["tokenize"]["outs"])
+    out = edited(clone / "dvc.lock", lambda p: p.write_text(p.read_text().replace(md5, "0" * 32 + ".dir")))
+    assert re.search(r"^BROKEN +outs +data/tokenize is modified against dvc.lock", out, re.M), out
+
+    client = mlflow.MlflowClient(f"sqlite:///{clone / 'mlflow.db'}")
+    (version,) = client.search_model_versions("name = 'pretrain'")
+    recorded = version.tags["output_dvc_md5"]
+    client.set_model_version_tag("pretrain", version.version, "output_dvc_md5", "0" * 32 + ".dir")
+    try:
+        out = broken()
+    finally:
+        client.set_model_version_tag("pretrain", version.version, "output_dvc_md5", recorded)
+    assert re.search(r"^BROKEN +registry +models:/pretrain \(data/pretrain, stage pretrain\): no version", out, re.M)
+
+    out = edited(clone / "stages/common/mesh.py", lambda p: p.write_text(p.read_text() + "\n# an edit\n"))
+    assert re.search(r"^BROKEN +causes +stage pretrain: changed since dvc.lock: .*stages/common/mesh.py", out, re.M)
+    assert not re.search(r"^BROKEN +causes +stage prepare_data", out, re.M), out
+
+    # Against a published dvc.lock: each out identical, or (an out made again elsewhere) differing.
+    published = clone.parent / "published.lock"
+    published.write_text((clone / "dvc.lock").read_text().replace(md5, "1" * 32 + ".dir"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.verify", "--against", str(published)],
+        cwd=clone,
+        env=env_for(clone),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 1 and re.search(r"^differs +data/tokenize$", proc.stdout, re.M), proc.stdout
+    outs = len({o["path"] for s in lock["stages"].values() for o in s["outs"]})
+    assert f"{outs - 1} identical, 0 within the recorded tolerance, 1 differs" in proc.stdout
+    assert "every link holds" in sh("python -m pipelines.verify", clone)

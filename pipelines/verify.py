@@ -1,0 +1,288 @@
+"""Check the chain of records behind a pipeline run, link by link, in the repository it ran in.
+
+    python -m pipelines.verify                      every link of this run
+    python -m pipelines.verify --against PATH       also compare each out with another run's: PATH is a
+                                                    dvc.lock, or a folder holding one (and its outs)
+
+The links, from what a reader sees back to what made it:
+  report    each row of reports/results.json equals the figure it came from (a stage's results.json
+            row, an eval_perplexity figures.json perplexity) and each stage's figures equal its file
+  outs      each out of dvc.lock is on disk with the md5 dvc.lock records
+  causes    each stage's code, params and packages (its deps in dvc.lock) are those of this checkout
+  registry  each registered model has a version registered from its stage's out as dvc.lock records
+            it (output_dvc_md5), from these params (params_sha256) and this code (code_sha256); the
+            version under the alias `reproduced` is one of those
+  checkpoints  each checkpoint left in checkpoints/ matches its manifest, and was written by this code
+One line per link: `ok`, or `BROKEN` with what is broken, where, and the command that mends it; the
+exit code is 1 when a link is broken. `--against` prints per out `identical` (the same md5), `within
+the recorded tolerance` (it differs, and every reproduced result in it, a results.json row, is within
+its tolerance of the other run's), or `differs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+
+import yaml
+
+from pipelines.dag import fill, load_table
+from pipelines.sync import dvc_status
+
+
+class Report:
+    def __init__(self):
+        self.broken = 0
+
+    def ok(self, link: str, what: str) -> None:
+        print(f"ok      {link:<11} {what}")
+
+    def bad(self, link: str, what: str, mend: str) -> None:
+        self.broken += 1
+        print(f"BROKEN  {link:<11} {what}; mend: {mend}")
+
+    def note(self, link: str, what: str) -> None:
+        print(f"note    {link:<11} {what}")
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def lock_outs(lock: dict) -> dict[str, tuple[str, str]]:
+    """{out path: (DVC stage, md5)} of a dvc.lock."""
+    return {
+        out["path"]: (stage, out.get("md5", ""))
+        for stage, entry in (lock.get("stages") or {}).items()
+        for out in entry.get("outs", ())
+    }
+
+
+def check_report(root: Path, r: Report) -> None:
+    doc = read_json(root / "reports/results.json")
+    if doc is None:
+        r.bad("report", "reports/results.json is missing or unreadable", "dvc repro report (or snakemake report)")
+        return
+    mend = "dvc repro report (or snakemake report) re-reads the stages' figures"
+    for label, shown in doc.get("stage_metrics", {}).items():
+        folder = root / "data" / label
+        source = read_json(folder / "figures.json") or read_json(folder / "metrics.json")
+        if source != shown:
+            r.bad("report", f"the figures of {label} in reports/results.json differ from data/{label}'s", mend)
+    rows = 0
+    for row in doc.get("rows", ()):
+        rows += 1
+        source = {x["result"]: x for x in read_json(root / "data" / row["stage"] / "results.json") or []}
+        if row["result"] not in source or source[row["result"]]["ours"] != row["ours"]:
+            got = source.get(row["result"], {}).get("ours", "no such row")
+            r.bad(
+                "report",
+                f"row '{row['result']}' shows {row['ours']}, data/{row['stage']}/results.json has {got}",
+                mend,
+            )
+    for row in (doc.get("regression") or {}).get("rows", ()):
+        rows += 1
+        model, ctx = row["result"].removeprefix("token perplexity, ").rsplit(" at ", 1)
+        ctx = int(ctx.split()[0])
+        figures = read_json(root / "data" / row["stage"] / "figures.json") or {}
+        values = {int(v["context"]): v["perplexity"] for v in figures.get("models", {}).get(model, {}).values()}
+        if values.get(ctx) != row["ours"]:
+            r.bad(
+                "report",
+                f"row '{row['result']}' shows {row['ours']}, data/{row['stage']}/figures.json has {values.get(ctx)}",
+                mend,
+            )
+    if not r.broken:
+        r.ok("report", f"reports/results.json: {rows} rows and {len(doc.get('stage_metrics', {}))} stages' figures")
+
+
+def check_status(root: Path, lock: dict, r: Report) -> None:
+    """The outs and the causes, from `dvc status` (DVC's own comparison of the workspace with dvc.lock)."""
+    status = dvc_status(root)
+    if status is None:
+        r.bad("outs", "dvc status failed (no repository, a damaged dvc.lock, or a run holds DVC's lock)", "dvc status")
+        return
+    for path, (stage, md5) in sorted(lock_outs(lock).items()):
+        changed = {}
+        for item in status.get(stage, []):
+            if isinstance(item, dict):
+                changed |= item.get("changed outs") or {}
+        if path in changed:
+            r.bad(
+                "outs",
+                f"{path} is {changed[path]} against dvc.lock (md5 {md5})",
+                f"dvc checkout {path} restores the recorded out; dvc repro {stage} makes it again",
+            )
+        else:
+            r.ok("outs", f"{path} {md5}")
+    for stage in sorted(lock.get("stages") or {}):
+        causes = []
+        for item in status.get(stage, []):
+            if item == "changed command":
+                causes.append("its command")
+            elif isinstance(item, dict):
+                for dep, how in (item.get("changed deps") or {}).items():
+                    causes.append(f"{dep} ({how})" if isinstance(how, str) else f"{dep} {json.dumps(how)}")
+        if causes:
+            r.bad(
+                "causes",
+                f"stage {stage}: changed since dvc.lock: {', '.join(causes)}",
+                "dvc repro (or snakemake) re-runs it and what follows",
+            )
+        else:
+            r.ok("causes", f"stage {stage}: code, params, packages and inputs as in dvc.lock")
+
+
+def current_section(stage: str, root: Path) -> dict:
+    """The params section a stage instance reads in `root`, its item's overrides applied."""
+    from stages.common import config
+
+    name, _, item = stage.partition("@")
+    table = load_table(root / "pipelines/stages.yaml")
+    args = fill(table[name].args, item or None)
+    overrides = [a for a in args.split() if "=" in a and not a.startswith("-")]
+    cls = importlib.import_module(f"stages.{name}").Config
+    return config.as_dict(config.load(cls, name, root / "params.yaml", overrides))
+
+
+def check_registry(root: Path, lock: dict, r: Report) -> None:
+    import mlflow
+
+    from stages.common import ckpt, registry, track
+
+    uri = track.tracking_uri(root)
+    if uri.startswith("sqlite:") and not (root / "mlflow.db").is_file():
+        r.note("registry", f"no MLflow store at {uri}: no registered models to check")
+        return
+    client = mlflow.MlflowClient(uri)
+    outs = lock_outs(lock)
+    models = sorted(client.search_registered_models(max_results=1000), key=lambda m: m.name)
+    for model in models:
+        versions = client.search_model_versions(f"name = '{model.name}'")
+        output = next((v.tags.get("output") for v in versions if v.tags.get("output")), None)
+        if output not in outs:
+            r.note("registry", f"models:/{model.name}: registered from {output}, not an out of this dvc.lock")
+            continue
+        stage, md5 = outs[output]
+        ours = [v for v in versions if v.tags.get("output_dvc_md5") == md5]
+        where = f"models:/{model.name} ({output}, stage {stage})"
+        mend = f"dvc repro {stage} --force (or snakemake --forcerun {stage.split('@')[0]}) registers a new version"
+        if not ours:
+            newest = max(versions, key=lambda v: int(v.version))
+            r.bad(
+                "registry",
+                f"{where}: no version registered from the out dvc.lock records (md5 {md5}); "
+                f"the newest, v{newest.version}, says {newest.tags.get('output_dvc_md5')}",
+                mend,
+            )
+            continue
+        version = max(ours, key=lambda v: int(v.version))
+        params = registry.params_sha256(current_section(stage, root))
+        code = ckpt.writer_record(f"stages.{stage.split('@')[0]}")["code_sha256"]
+        problems = []
+        if version.tags.get("params_sha256") != params:
+            problems.append(f"params_sha256 {version.tags.get('params_sha256', '')[:12]} is not this params.yaml's")
+        if version.tags.get("code_sha256") != code:
+            problems.append(f"code_sha256 {version.tags.get('code_sha256', 'unrecorded')[:12]} is not this code's")
+        alias = model.aliases.get(registry.ALIAS) if isinstance(model.aliases, dict) else None
+        if alias is not None and str(alias) not in {str(v.version) for v in ours}:
+            problems.append(f"alias {registry.ALIAS} names v{alias}, not a version of this out")
+        if problems:
+            r.bad("registry", f"{where} v{version.version}: {'; '.join(problems)}", mend)
+        else:
+            r.ok("registry", f"{where} v{version.version}: out, params and code as recorded")
+
+
+def check_checkpoints(root: Path, r: Report) -> None:
+    from stages.common import ckpt
+
+    base = root / "checkpoints"
+    steps = sorted(base.glob("*/*/step-*")) if base.is_dir() else []
+    for path in steps:
+        stage = path.parent.parent.name
+        problem = ckpt.checkpoint_problem(path)
+        if problem:
+            r.bad("checkpoints", f"{path.relative_to(root)}: {problem}", f"rm -r {path.relative_to(root)}")
+            continue
+        change = ckpt.writer_change(ckpt.read_writer(path), ckpt.writer_record(f"stages.{stage}"))
+        if change:
+            r.note("checkpoints", f"{path.relative_to(root)}: written by other code ({change}); a re-run refuses it "
+                   f"unless PIPELINE_RESUME=fresh or across-code")  # fmt: skip
+        else:
+            r.ok("checkpoints", f"{path.relative_to(root)}: intact, written by this code")
+    if not steps:
+        r.ok("checkpoints", "none left (every run finished)")
+
+
+def compare(root: Path, lock: dict, against: Path) -> int:
+    """Per out of this run: identical, within the recorded tolerance, or differs from the other run's."""
+    other_root = against if against.is_dir() else against.parent
+    other_lock = yaml.safe_load((against / "dvc.lock" if against.is_dir() else against).read_text())
+    theirs = lock_outs(other_lock)
+    counts = {"identical": 0, "within the recorded tolerance": 0, "differs": 0}
+    for path, (_, md5) in sorted(lock_outs(lock).items()):
+        if path not in theirs:
+            print(f"{'absent':<29} {path} (not in {against})")
+            continue
+        if theirs[path][1] == md5:
+            verdict = "identical"
+        elif within_tolerance(root / path, other_root / path):
+            verdict = "within the recorded tolerance"
+        else:
+            verdict = "differs"
+        counts[verdict] += 1
+        print(f"{verdict:<29} {path}")
+    print(", ".join(f"{n} {k}" for k, n in counts.items()))
+    return 0 if counts["differs"] == 0 else 1
+
+
+def within_tolerance(ours: Path, theirs: Path) -> bool:
+    """Both outs hold the same reproduced results (results.json rows), each within its tolerance."""
+    a, b = read_json(ours / "results.json"), read_json(theirs / "results.json")
+    if not isinstance(a, list) or not isinstance(b, list) or not a or len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x.get("result") != y.get("result"):
+            return False
+        try:
+            if abs(float(x["ours"]) - float(y["ours"])) > float(x["tolerance"]):
+                return False
+        except (KeyError, TypeError, ValueError):
+            return False
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipelines.verify", description=__doc__.splitlines()[0])
+    parser.add_argument("--against", type=Path, help="another run's dvc.lock, or a folder holding one")
+    parser.add_argument("--root", type=Path, default=Path("."), help="the repository (default: here)")
+    args = parser.parse_args(argv)
+    root = args.root.resolve()
+    if args.against is not None and not (args.against.is_file() or (args.against / "dvc.lock").is_file()):
+        parser.error(f"--against {args.against}: no dvc.lock there")
+    try:
+        lock = yaml.safe_load((root / "dvc.lock").read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        print(
+            f"BROKEN  outs        {root / 'dvc.lock'} is unreadable ({e}); mend: git checkout dvc.lock, then dvc status"
+        )
+        return 1
+    r = Report()
+    check_report(root, r)
+    check_status(root, lock, r)
+    check_registry(root, lock, r)
+    check_checkpoints(root, r)
+    print(f"{r.broken} broken link(s)" if r.broken else "every link holds")
+    code = 1 if r.broken else 0
+    if args.against is not None:
+        code |= compare(root, lock, args.against)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
