@@ -166,11 +166,11 @@ step() {  # step NAME LOG SECONDS COMMAND...: run it under its limit, appending 
 : >"$OUT/tests.log" >"$OUT/pretrain.log" >"$OUT/eval.log" >"$OUT/qlora.log"
 step tests tests.log 130 $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
 if [ $DRY -eq 1 ]; then
-  step pretrain pretrain.log 120 $PY bench/pretrain_mfu.py --dry --profile "$OUT/profile.txt" --json "$PARTS/pretrain.json"
+  step pretrain pretrain.log 300 $PY bench/pretrain_mfu.py --dry --profile "$OUT/profile.txt" --json "$PARTS/pretrain.json"
   tiny=(--tokens 2048 --repeats 1 --hidden 64 --layers 2 --heads 4 --ffn 160 --no-bf16)
-  step eval eval.log 60 $PY bench/eval_throughput.py "${tiny[@]}" --json "$PARTS/eval.json"
-  step eval_fp32 eval.log 60 $PY bench/eval_throughput.py "${tiny[@]}" --precision fp32 --json "$PARTS/eval_fp32.json"
-  step qlora qlora.log 90 $PY bench/qlora_memory.py --hidden 64 --layers 2 --json "$PARTS/qlora.json"
+  step eval eval.log 150 $PY bench/eval_throughput.py "${tiny[@]}" --json "$PARTS/eval.json"
+  step eval_fp32 eval.log 150 $PY bench/eval_throughput.py "${tiny[@]}" --precision fp32 --json "$PARTS/eval_fp32.json"
+  step qlora qlora.log 240 $PY bench/qlora_memory.py --hidden 64 --layers 2 --json "$PARTS/qlora.json"
 else
   step pretrain pretrain.log 150 $PY bench/pretrain_mfu.py --profile "$OUT/profile.txt" --json "$PARTS/pretrain.json"
   step eval eval.log 40 $PY bench/eval_throughput.py --tokens 65536 --json "$PARTS/eval.json"
