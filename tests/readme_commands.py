@@ -54,6 +54,11 @@ HOW: dict[str, tuple[str, str]] = {
     'podman run --rm -v "$PWD:/work" pipeline-lm python -m pipelines.launch tokenize --input data/prepare_data '
     "--output data/tokenize": ("marked", "needs podman and root (tests/system/test_containers.py)"),
     "cat reports/results.md": ("run", ""),
+    "python -m pipelines.verify": ("run", "every link holds after the pipeline"),
+    "python -m pipelines.verify --against published.lock": (
+        "marked",
+        "needs another run's dvc.lock (tests/test_e2e_records.py compares with one)",
+    ),
     "make plots": ("make", ""),
     "make html-report": ("make", ""),
     "snakemake --report snakemake-report.html": ("run", ""),
