@@ -18,12 +18,12 @@ from shared_run import MIRROR, ROOT  # noqa: F401  (the repository and the data 
 # other worker starts with test_parallel meanwhile. The README commands read that run too: last.
 ORDER = [
     "tests/system/test_two_nodes.py",
+    "tests/system/test_containers.py",  # (make test-system: the image build beside the two-node module)
     "tests/test_e2e.py",
     "tests/test_parallel.py",
     "tests/test_e2e_records.py",
     "tests/test_e2e_experiments.py",
     "tests/system/test_browser.py",
-    "tests/system/test_containers.py",
     "tests/test_pretrain.py",
     "tests/test_extend_context.py",
     "tests/test_finetune_qlora.py",
