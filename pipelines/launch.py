@@ -48,6 +48,7 @@ import tempfile
 from pathlib import Path
 
 from pipelines.dag import fill, load_table
+from pipelines.sync import forget_records
 
 
 def visible_gpus() -> int:
@@ -207,13 +208,8 @@ def forget_snakemake_records(stage: str) -> None:
     name, _, item = stage.partition("@")
     outs = [fill(o, item or None) for o in load_table()[name].outs]
     if Path(".snakemake/metadata").is_dir():
-        # PIPELINE_NO_SYNC: DVC holds its repository lock now, so the Snakefile must not ask `dvc status`.
-        subprocess.run(
-            [sys.executable, "-m", "snakemake", "--quiet", "all", "--cleanup-metadata", *outs],
-            env={**os.environ, "PIPELINE_NO_SYNC": "1"},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        # (with PIPELINE_NO_SYNC: DVC holds its repository lock now, so the Snakefile must not ask `dvc status`)
+        forget_records(outs)
 
 
 def mark_pipeline(stage: str, code: int) -> None:
