@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -45,14 +46,14 @@ def test_gnn_image_build_is_skipped_here():
 class Podman:
     """podman as root in a private storage folder (vfs) with runc, and the ulimits these machines allow."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, runroot: Path):
         self.root = root
         self.base = [
             "podman",
             "--root",
             str(root / "storage"),
             "--runroot",
-            str(root / "run"),
+            str(runroot),
             "--storage-driver",
             "vfs",
             "--runtime",
@@ -77,13 +78,16 @@ def podman(tmp_path_factory):
     need_root()
     need_commands("podman", "runc", "debootstrap", why="podman builds need podman, runc and debootstrap")
     work = tmp_path_factory.mktemp("podman")
-    pm = Podman(work)
+    # podman refuses a runroot path over 50 characters, which pytest's numbered temporary folders pass
+    # (/tmp/pytest-of-root/pytest-12/popen-gw1/podman0/run): a short one of its own.
+    runroot = Path(tempfile.mkdtemp(prefix="podman-run-"))
+    pm = Podman(work, runroot)
     try:
         yield pm
     finally:
         # Images in vfs storage take several GB: remove them and the storage with them.
         pm("rmi", "--all", "--force", check=False, timeout=600)
-        subprocess.run(["rm", "-rf", str(work / "storage"), str(work / "run")])
+        subprocess.run(["rm", "-rf", str(work / "storage"), str(runroot)])
 
 
 @pytest.fixture(scope="module")
