@@ -13,18 +13,18 @@ from shared_run import MIRROR, ROOT  # noqa: F401  (the repository and the data 
 
 # The order in which the pytest-xdist workers take the modules: the longest first, so that the workers
 # finish together. A worker is handed its next module while it still runs its last queued test (xdist keeps
-# two tests queued), so the third module waits behind the first one's single test: in make test, the e2e
-# records, which read the shared ci run (tests/shared_run.py) that tests/test_e2e.py makes first; the
-# other worker starts with test_parallel meanwhile. The README commands read that run too: last.
+# two tests queued). tests/test_e2e.py comes first: it makes the shared ci run (tests/shared_run.py, about
+# 5 minutes) that the e2e records, experiments and README commands read; the long training modules come
+# next, so the other workers train meanwhile instead of waiting on that run.
 ORDER = [
     "tests/system/test_two_nodes.py",
     "tests/system/test_containers.py",  # (make test-system: the image build beside the two-node module)
     "tests/test_e2e.py",
     "tests/test_parallel.py",
+    "tests/test_pretrain.py",
     "tests/test_e2e_records.py",
     "tests/test_e2e_experiments.py",
     "tests/system/test_browser.py",
-    "tests/test_pretrain.py",
     "tests/test_extend_context.py",
     "tests/test_finetune_qlora.py",
     "tests/test_memory_study.py",
