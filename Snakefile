@@ -67,7 +67,7 @@ def wildcard(text):
 
 rule all:
     input:
-        [o for st in STAGES.values() for _, item in st.instances() for o in (fill(x, item) for x in st.outs)],
+        [o for st in STAGES.values() for _, item in st.instances() for o in (fill(x, item) for x in st.outputs())],
     default_target: True
 
 
@@ -78,7 +78,8 @@ for st in STAGES.values():
         input:
             [wildcard(d) for d in st.deps],
         output:
-            [directory(wildcard(o)) if is_dir(o) else wildcard(o) for o in st.outs],
+            # (and what it measured: measured/<stage>.json, outside the outs; pipelines/dag.py)
+            [directory(wildcard(o)) if is_dir(o) else wildcard(o) for o in st.outputs()],
         params:
             # Rules made in a loop must capture per-stage values here: `shell` is evaluated at run time.
             cmd=wildcard(st.cmd()),

@@ -15,6 +15,12 @@ A stage's dependencies are the table's data deps plus two kinds the table does n
     requirements.lock by `write`. Upgrading one of them re-runs the family's stages; a package no stage
     imports (pytest, ruff) re-runs nothing.
 The launcher (`python -m pipelines.launch`) is how a stage is started, not what it computes: not a dep.
+
+What a stage measures (`measured` in the table: throughput, seconds, peak memory) is written outside its
+outputs, to measured/<stage>.json (measured/<stage>/<item>.json per item; and .png for a plot), passed as
+`--measured`. DVC records it as an out it does not cache (`cache: false`), to be committed to git with
+dvc.lock; so the cached outs are functions of their inputs, params, code and environment alone, and a
+re-run of an unchanged stage reproduces their hashes.
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ PACKAGES_HEADER = (
     "# stages: a new version of one of these re-runs them.\n"
 )
 LAUNCH = "python -m pipelines.launch"
-STAGE_KEYS = {"args", "deps", "params", "outs", "metrics", "plots", "resources", "foreach", "collect"}
+STAGE_KEYS = {"args", "deps", "params", "outs", "metrics", "plots", "measured", "resources", "foreach", "collect"}
+MEASURED_DIR = "measured"
+MEASURED_KINDS = ("json", "png")  # the figures; a plot of them
 RESOURCE_KEYS = {"nodes", "nproc_per_node", "gpus_per_node", "mem_mb", "runtime_min", "container"}
 HEADER = (
     "# Generated from pipelines/stages.yaml by `python -m pipelines.dag write` (make dag).\n"
@@ -63,6 +71,16 @@ class Stage:
     resources: dict = field(default_factory=dict)
     foreach: tuple[str, ...] = ()
     collect: bool = False
+    measured: tuple[str, ...] = ()  # of MEASURED_KINDS
+
+    def measured_files(self) -> tuple[str, ...]:
+        """measured/<stage>.<kind> (measured/<stage>/${item}.<kind> per item): uncached outs."""
+        stem = f"{MEASURED_DIR}/{self.name}" + ("/${item}" if self.foreach else "")
+        return tuple(f"{stem}.{kind}" for kind in self.measured)
+
+    def outputs(self) -> tuple[str, ...]:
+        """Everything the stage writes: its outs, then its measured files."""
+        return self.outs + self.measured_files()
 
     def instances(self) -> list[tuple[str, str | None]]:
         """(DVC stage name, foreach item) for each concrete stage."""
@@ -71,7 +89,8 @@ class Stage:
         return [(f"{self.name}@{item}", item) for item in self.foreach]
 
     def cmd(self) -> str:
-        return f"{LAUNCH} {self.name}{'@${item}' if self.foreach else ''} {self.args}".strip()
+        args = self.args + (f" --measured {self.measured_files()[0]}" if self.measured else "")
+        return f"{LAUNCH} {self.name}{'@${item}' if self.foreach else ''} {args.strip()}".strip()
 
 
 def check_params(params: str | Path = "params.yaml") -> None:
@@ -122,6 +141,14 @@ def load_table(path: Path = TABLE) -> dict[str, Stage]:
                 f"{path}: stage {name}: deps {source}: a stage's code deps come from its imports (pipelines/dag.py); "
                 f"list only data and other files it reads"
             )
+        measured = tuple(entry.get("measured", ()))
+        if measured and (
+            measured[0] != "json" or set(measured) - set(MEASURED_KINDS) or len(set(measured)) < len(measured)
+        ):
+            raise TableError(
+                f"{path}: stage {name}: measured {list(measured)}: use [json] or [json, png] (the figures, and "
+                f"a plot of them)"
+            )
         stages[name] = Stage(
             name=name,
             args=entry.get("args", ""),
@@ -133,20 +160,18 @@ def load_table(path: Path = TABLE) -> dict[str, Stage]:
             resources=res,
             foreach=tuple(str(i) for i in entry.get("foreach", ())),
             collect=bool(entry.get("collect", False)),
+            measured=measured,
         )
-    # A collecting stage (the report) reads every other stage's outputs.
+    # A collecting stage (the report) reads every other stage's outputs, and what they measured.
     for name, st in list(stages.items()):
         if st.collect:
-            others = [
-                fill(o, item) for s in stages.values() if s.name != name for _, item in s.instances() for o in s.outs
-            ]
-            stages[name] = Stage(
-                **{
-                    **st.__dict__,
-                    "deps": st.deps + tuple(others),
-                    "args": f"{st.args} --inputs {' '.join(others)}".strip(),
-                }
-            )
+            others = [s for s in stages.values() if s.name != name]
+            outs = [fill(o, item) for s in others for _, item in s.instances() for o in s.outs]
+            measured = [fill(s.measured_files()[0], item) for s in others if s.measured for _, item in s.instances()]
+            args = f"{st.args} --inputs {' '.join(outs)}"
+            if measured:
+                args += f" --measured-inputs {' '.join(measured)}"
+            stages[name] = Stage(**{**st.__dict__, "deps": st.deps + tuple(outs + measured), "args": args.strip()})
     return stages
 
 
@@ -236,11 +261,12 @@ def dvc_document(stages: dict[str, Stage]) -> dict:
         body = {"cmd": st.cmd(), "deps": list(st.deps)}
         if st.params:
             body["params"] = list(st.params)
-        body["outs"] = list(st.outs)
+        body["outs"] = list(st.outs) + [{path: {"cache": False}} for path in st.measured_files()]
         out["stages"][st.name] = {"foreach": list(st.foreach), "do": body} if st.foreach else body
         for _, item in st.instances():
             metrics += [fill(m, item) for m in st.metrics]
             plots += [fill(p, item) for p in st.plots]
+            plots += [fill(p, item) for p in st.measured_files() if p.endswith(".png")]
     if metrics:
         out["metrics"] = metrics
     if plots:

@@ -1,5 +1,7 @@
 """One self-contained HTML page of a pipeline run: the reproduced-results table, every stage's metrics
-and the plots, from what the `report` stage wrote (reports/results.json) and the plot files it lists.
+and the plots, from what the `report` stage wrote (reports/results.json) and the plot files it lists;
+then what the stages measured (throughput, seconds, memory, and the rows checking them), from the file
+results.json names (measured/report.json).
 
     python -m pipelines.html_report                       # reports/results.json -> report.html
     python -m pipelines.html_report --results reports/results.json --output report.html
@@ -65,7 +67,7 @@ def image(path: Path) -> str:
 def render(results: dict, root: Path) -> str:
     fields = results["row_fields"]
     parts = [
-        f"<h1>Pipeline results</h1><p>Git commit: <code>{html.escape(results['git_commit'])}</code></p>",
+        "<h1>Pipeline results</h1>",
         "<h2>Reproduced results</h2>",
         table(fields, [[row.get(f, "") for f in fields] for row in results["rows"]])
         if results["rows"]
@@ -79,10 +81,32 @@ def render(results: dict, root: Path) -> str:
     for plot in plots:
         path = root / plot
         parts.append(image(path) if path.is_file() else f"<p>missing plot <code>{html.escape(plot)}</code></p>")
+    parts += measured_parts(results, root)
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>Pipeline results</title>'
         f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>\n"
     )
+
+
+def measured_parts(results: dict, root: Path) -> list[str]:
+    """The measured figures' section, from the file results.json names (none when it names none)."""
+    if not results.get("measured"):
+        return []
+    path = root / results["measured"]
+    if not path.is_file():
+        return [f"<h2>Measured</h2><p>missing <code>{html.escape(results['measured'])}</code></p>"]
+    measured = json.loads(path.read_text())
+    fields = measured["row_fields"]
+    parts = [
+        "<h2>Measured</h2><p>Throughput, seconds and memory of this run: they differ from run to run, "
+        f"so they live outside the outputs, in <code>{html.escape(results['measured'])}</code>.</p>",
+    ]
+    if measured["rows"]:
+        parts.append(table(fields, [[row.get(f, "") for f in fields] for row in measured["rows"]]))
+    for stage, figures in measured["stages"].items():
+        parts += [f"<h3>{html.escape(stage)}</h3>", table(["figure", "value"], sorted(flatten(figures).items()))]
+    parts += [image(root / p) for p in measured["plots"] if (root / p).is_file()]
+    return parts
 
 
 def main(argv=None) -> Path:

@@ -206,7 +206,7 @@ def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
 
 def forget_snakemake_records(stage: str) -> None:
     name, _, item = stage.partition("@")
-    outs = [fill(o, item or None) for o in load_table()[name].outs]
+    outs = [fill(o, item or None) for o in load_table()[name].outputs()]
     if Path(".snakemake/metadata").is_dir():
         # (with PIPELINE_NO_SYNC: DVC holds its repository lock now, so the Snakefile must not ask `dvc status`)
         forget_records(outs)

@@ -80,7 +80,7 @@ def modified_outputs(status: dict, root: Path = Path(".")) -> list[str]:
         for name, item in st.instances():
             changed = [i.get("changed outs") or {} for i in status.get(name, []) if isinstance(i, dict)]
             if any("modified" in c.values() for c in changed):
-                found += [fill(o, item) for o in st.outs]
+                found += [fill(o, item) for o in st.outputs()]
     return found
 
 
@@ -115,7 +115,7 @@ def align_mtimes(root: Path = Path("."), status: dict | None = None) -> list[str
     stale = {name for name, items in status.items() if is_stale(items)}
     # (DVC stage name, its input paths, its output paths) for every stage instance of the table
     instances = [
-        (name, [root / fill(d, item) for d in st.deps], [root / fill(o, item) for o in st.outs])
+        (name, [root / fill(d, item) for d in st.deps], [root / fill(o, item) for o in st.outputs()])
         for st in load_table(root / "pipelines/stages.yaml").values()
         for name, item in st.instances()
     ]

@@ -16,7 +16,8 @@ The links, from what a reader sees back to what made it:
 One line per link: `ok`, or `BROKEN` with what is broken, where, and the command that mends it; the
 exit code is 1 when a link is broken. `--against` prints per out `identical` (the same md5), `within
 the recorded tolerance` (it differs, and every reproduced result in it, a results.json row, is within
-its tolerance of the other run's), or `differs`.
+its tolerance of the other run's), or `differs`; and `measured` for the files under measured/ (timings
+and memory, which differ from run to run by nature: not compared).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.dag import fill, load_table
+from pipelines.dag import MEASURED_DIR, fill, load_table
 from pipelines.sync import dvc_status
 
 
@@ -97,8 +98,29 @@ def check_report(root: Path, r: Report) -> None:
                 f"row '{row['result']}' shows {row['ours']}, data/{row['stage']}/figures.json has {values.get(ctx)}",
                 mend,
             )
+    if doc.get("measured"):
+        rows += check_measured_rows(root, doc["measured"], r)
     if not r.broken:
         r.ok("report", f"reports/results.json: {rows} rows and {len(doc.get('stage_metrics', {}))} stages' figures")
+
+
+def check_measured_rows(root: Path, name: str, r: Report) -> int:
+    """The rows of the report's measured file (measured/report.json) against the stages' measured files."""
+    doc = read_json(root / name)
+    if doc is None:
+        r.bad("report", f"{name} is missing or unreadable", "dvc repro report (or snakemake report)")
+        return 0
+    for row in doc.get("rows", ()):
+        source_name = f"{MEASURED_DIR}/{row['stage']}.json"
+        source = {x["result"]: x for x in (read_json(root / source_name) or {}).get("rows", ())}
+        if row["result"] not in source or source[row["result"]]["ours"] != row["ours"]:
+            got = source.get(row["result"], {}).get("ours", "no such row")
+            r.bad(
+                "report",
+                f"row '{row['result']}' of {name} shows {row['ours']}, {source_name} has {got}",
+                "dvc repro report (or snakemake report) re-reads the measured files",
+            )
+    return len(doc.get("rows", ()))
 
 
 def check_status(root: Path, lock: dict, r: Report) -> None:
@@ -224,12 +246,14 @@ def compare(root: Path, lock: dict, against: Path) -> int:
     other_root = against if against.is_dir() else against.parent
     other_lock = yaml.safe_load((against / "dvc.lock" if against.is_dir() else against).read_text())
     theirs = lock_outs(other_lock)
-    counts = {"identical": 0, "within the recorded tolerance": 0, "differs": 0}
+    counts = {"identical": 0, "within the recorded tolerance": 0, "differs": 0, "measured": 0}
     for path, (_, md5) in sorted(lock_outs(lock).items()):
         if path not in theirs:
             print(f"{'absent':<29} {path} (not in {against})")
             continue
-        if theirs[path][1] == md5:
+        if path.startswith(f"{MEASURED_DIR}/"):
+            verdict = "measured"  # timings and memory of each run: not expected to agree
+        elif theirs[path][1] == md5:
             verdict = "identical"
         elif within_tolerance(root / path, other_root / path):
             verdict = "within the recorded tolerance"

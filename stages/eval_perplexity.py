@@ -3,10 +3,11 @@
 Evaluates Hugging Face checkpoints (and base + PEFT adapter pairs) on one split of the tokenize
 stage's shards (`--input`, format in stages/common/shards.py) or on a text file tokenized with each
 model's own tokenizer (`--text`). Writes to `--output`:
-    meta.json                           compute dtype, world size, commit, and the CPU the kernels were chosen for
+    meta.json                           compute dtype, world size, the CPU the kernels were chosen for, the
+                                        code's hash and the package versions
     figures.json                        per model and context: nll, perplexity, bits_per_byte,
-                                        byte_perplexity, word_perplexity, tokens, tokens_per_s,
-                                        and per-position buckets when asked
+                                        byte_perplexity, word_perplexity, tokens, and per-position
+                                        buckets when asked
     metrics.json                        each model's perplexity at the longest context (DVC metrics)
     table.csv                           the same numbers in long format (model, context, metric, value),
                                         for pandas or a spreadsheet
@@ -57,10 +58,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages.common import atomic, ckpt, config, provenance, registry, runtime, shards, stage, track
+from stages.common import atomic, ckpt, config, registry, runtime, shards, stage, track
 
 STAGE = "eval_perplexity"
-METRICS = ("nll", "perplexity", "bits_per_byte", "byte_perplexity", "word_perplexity", "tokens", "tokens_per_s")
+METRICS = ("nll", "perplexity", "bits_per_byte", "byte_perplexity", "word_perplexity", "tokens")
 
 
 @dataclass(frozen=True)
@@ -411,9 +412,10 @@ def write_outputs(metrics: dict, folder: Path) -> None:
             fh.writelines(f"{m['context']},{m['perplexity']:.6f}\n" for m in per_context.values())
 
 
-def run(specs, streams, cfg: Config, output: Path, rt: runtime.Runtime, tracker: track.Tracker) -> dict:
+def run(specs, streams, cfg: Config, output: Path, measured: Path, rt: runtime.Runtime, tracker: track.Tracker) -> dict:
     first = next(iter(streams.values()))
     metrics = {"bytes": first.bytes, "words": first.words, "models": {}}
+    speed = {}  # {model: {ctx<n>: tokens/s}}: measured, outside the output
     dtype = runtime.compute_dtype(rt.device, cfg.precision)
     runtime.warn_if_emulated_bf16(rt.device, dtype, rt)
     with atomic.folder(output, rt) as tmp:
@@ -427,9 +429,10 @@ def run(specs, streams, cfg: Config, output: Path, rt: runtime.Runtime, tracker:
                 sums = evaluate(model, stream.ids, context, stride, cfg.batch_size, rt).cpu()
                 seconds = time.perf_counter() - t0
                 tokens = int(sums[1].sum().item())
+                tokens_per_s = tokens / max(seconds, 1e-9)
+                speed.setdefault(spec.label, {})[f"ctx{context}"] = {"tokens_per_s": tokens_per_s}
                 m = {
                     **summarize(sums[0].sum().item(), tokens, stream.bytes, stream.words),
-                    "tokens_per_s": tokens / max(seconds, 1e-9),
                     "context": context,
                     "stride": stride,
                 }
@@ -439,10 +442,11 @@ def run(specs, streams, cfg: Config, output: Path, rt: runtime.Runtime, tracker:
                 runtime.print0(
                     f"eval_perplexity: {spec.label} context {context} stride {stride}: perplexity "
                     f"{m['perplexity']:.4f}, {m['bits_per_byte']:.4f} bits/byte, {tokens:,} tokens, "
-                    f"{m['tokens_per_s']:,.0f} tokens/s",
+                    f"{tokens_per_s:,.0f} tokens/s",
                     rt=rt,
                 )
-                tracker.log_metrics({f"{spec.label}.{k}": v for k, v in m.items() if k in METRICS}, step=context)
+                figures = {f"{spec.label}.{k}": v for k, v in m.items() if k in METRICS}
+                tracker.log_metrics({**figures, f"{spec.label}.tokens_per_s": tokens_per_s}, step=context)
                 tracker.log_metrics(
                     {f"{spec.label}.perplexity_pos_{b}": v["perplexity"] for b, v in m.get("buckets", {}).items()},
                     step=context,
@@ -457,12 +461,13 @@ def run(specs, streams, cfg: Config, output: Path, rt: runtime.Runtime, tracker:
                 {
                     "compute_dtype": str(dtype),
                     "world_size": rt.world_size,
-                    "git_commit": track.git_commit(),
                     "cpu": runtime.cpu_info(),
-                    "packages": provenance.packages(f"stages.{STAGE}"),
+                    **stage.code_record(STAGE),
                 },
             )
     if rt.is_main:
+        stage.write_measured(measured, output, {"models": speed})
+        tracker.log_artifact(measured)
         for name in ("figures.json", "meta.json", "table.csv", "plots"):
             tracker.log_artifact(output / name, "plots" if name == "plots" else None)
     return metrics
@@ -483,6 +488,7 @@ def main(argv=None) -> dict:
     if not args.output and len(specs) > 1:
         raise config.UserError("eval_perplexity: pass --output when evaluating several models")
     output = Path(args.output or f"data/{STAGE}/{specs[0].label}")
+    measured = Path(args.measured or f"{output}.measured.json")
     text = Path(args.text) if args.text else None
     streams = prepare(specs, cfg, Path(args.input), text)  # reads the models' tokenizers and the text
     stage.exit_if_checking(args, STAGE, cfg)
@@ -492,7 +498,7 @@ def main(argv=None) -> dict:
 
     def body(rt, stop):
         with stage.tracked(STAGE, cfg, inputs, rt, tags=tags) as (tracker, _):
-            metrics = run(specs, streams, cfg, output, rt, tracker)
+            metrics = run(specs, streams, cfg, output, measured, rt, tracker)
         runtime.print0(f"eval_perplexity: {len(specs)} model(s) x {len(cfg.contexts)} context(s) -> {output}", rt=rt)
         return metrics
 

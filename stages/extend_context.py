@@ -29,9 +29,10 @@ Output (data/extend_context/):
     model/<variant>/   config.json, model.safetensors, tokenizer files
     meta.json          per variant: method, fine-tuned or not, rope_parameters, max_position_embeddings;
                        `order`: the variants, zero-shot ones first
-    figures.json       per fine-tuned variant: final train/val loss at s x L, tokens/s
+    figures.json       per fine-tuned variant: final train/val loss at s x L
     metrics.json       per fine-tuned variant: final val loss (DVC metrics)
     plots/finetune_loss/<variant>.csv, plots/finetune_loss.png   fine-tuning loss curves (DVC plots)
+and, outside it (--measured, measured/extend_context.json in the pipeline): each fine-tune's tokens/s.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common import atomic, ckpt, config, loop, provenance, runtime, shards, stage, track
+from stages.common import atomic, ckpt, config, loop, runtime, shards, stage, track
 
 STAGE = "extend_context"
 UNSCALED = "unscaled"
@@ -290,18 +291,14 @@ def write_outputs(
         "finetune_steps": cfg.train.steps,
         "variants": variants,
         "order": list(variants),
-        "git_commit": track.git_commit(),
         "compute_dtype": str(runtime.compute_dtype(device, cfg.train.precision)),
         "cpu": runtime.cpu_info(),
-        "packages": provenance.packages(f"stages.{STAGE}"),
+        **stage.code_record(STAGE),
     }
     atomic.write_json(tmp / "meta.json", meta)
     metrics = {
         "extended_context": meta["extended_context"],
-        **{
-            f"{n}-ft": {k: s[k] for k in ("final_train_loss", "final_val_loss", "tokens_per_s")}
-            for n, s in summaries.items()
-        },
+        **{f"{n}-ft": {k: s[k] for k in ("final_train_loss", "final_val_loss")} for n, s in summaries.items()},
     }
     stage.write_metrics(
         tmp, metrics, {"val_loss": {n: m["final_val_loss"] for n, m in metrics.items() if isinstance(m, dict)}}
@@ -311,7 +308,9 @@ def write_outputs(
     return meta
 
 
-def run(base: Path, data: Path, output: Path, cfg: Config, configs: dict, original: int, rt, stop) -> dict:
+def run(
+    base: Path, data: Path, output: Path, measured: Path, cfg: Config, configs: dict, original: int, rt, stop
+) -> dict:
     """Fine-tune the variants in `finetune`, then publish every variant. Wrapped models live only in here."""
     context = int(round(cfg.factor * original))
     digest = stage.inputs_hash([base, data], rt)
@@ -328,6 +327,10 @@ def run(base: Path, data: Path, output: Path, cfg: Config, configs: dict, origin
         if rt.is_main:
             final_metrics = track.flatten(stage.read_figures(output))
             tracker.log_metrics({k: v for k, v in final_metrics.items() if v is not None})
+            speed = {f"{n}-ft": {"tokens_per_s": s["tokens_per_s"]} for n, s in summaries.items()}
+            stage.write_measured(measured, output, speed)
+            tracker.log_metrics(track.flatten(speed))
+            tracker.log_artifact(measured)
             tracker.log_artifact(output / "meta.json")
             if summaries:
                 tracker.log_artifact(output / "plots", "plots")
@@ -351,7 +354,9 @@ def main(argv=None) -> dict:
     configs = {UNSCALED: scaled_config(base_config, None, cfg.factor, original)}
     configs |= {name: scaled_config(base_config, spec, cfg.factor, original) for name, spec in cfg.variants.items()}
     return stage.launch(
-        STAGE, lambda rt, stop: run(base, data, output, cfg, configs, original, rt, stop), train=cfg.train
+        STAGE,
+        lambda rt, stop: run(base, data, output, Path(args.measured), cfg, configs, original, rt, stop),
+        train=cfg.train,
     )
 
 

@@ -27,10 +27,12 @@ Output (data/finetune_qlora/<quantization>/):
     adapter/       the LoRA adapter in PEFT format: PeftModel.from_pretrained(base, "adapter")
     model/         the merged model in full precision (base dequantized + adapter) with the tokenizer:
                    AutoModelForCausalLM.from_pretrained("model")
-    figures.json   eval/train loss, tokens/s, peak process memory, linear-layer weight memory, records
-    metrics.json   eval loss, peak memory, bits per linear-layer weight (DVC metrics)
+    figures.json   eval/train loss, linear-layer weight memory, trainable parameters, records
+    metrics.json   eval loss, bits per linear-layer weight (DVC metrics)
     results.json   report rows (NF4 weight memory against 16-bit, as in the QLoRA paper)
     plots/loss.csv, eval_loss.csv, loss.png   the loss curves (DVC plots)
+and, outside it (--measured, measured/finetune_qlora/<quantization>.json in the pipeline): tokens/s,
+and the peak process memory of this run.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common import atomic, ckpt, config, instructions, loop, provenance, runtime, stage, track
+from stages.common import atomic, ckpt, config, instructions, loop, runtime, stage
 
 STAGE = "finetune_qlora"
 QUANTIZATIONS = ("nf4", "none")
@@ -332,7 +334,13 @@ def result_rows(cfg: Config, metrics: dict) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------- run
 def run(
-    cfg: Config, records: list[dict], records_path: Path, output: Path, rt: runtime.Runtime, stop: runtime.StopFlag
+    cfg: Config,
+    records: list[dict],
+    records_path: Path,
+    output: Path,
+    measured: Path,
+    rt: runtime.Runtime,
+    stop: runtime.StopFlag,
 ) -> dict:
     """Train and publish. The wrapped model lives only in here (it must be gone before teardown)."""
     from transformers import AutoTokenizer
@@ -381,8 +389,6 @@ def run(
         metrics = {
             "eval_loss": eval_loss,
             "final_train_loss": hist["loss"][-1],
-            "tokens_per_s": result.tokens_per_s,
-            "peak_memory_mb": peak,
             "linear_weight_mb": linear_bytes / 2**20,
             "linear_weight_bits_per_weight": 8 * linear_bytes / linear_weights,
             "linear_weight_fraction_of_16bit": linear_bytes / (2 * linear_weights),
@@ -391,23 +397,25 @@ def run(
             "train_records": len(train_src),
             "eval_records": len(eval_src),
         }
-        tracker.log_metrics({k: metrics[k] for k in ("eval_loss", "peak_memory_mb", "linear_weight_mb")}, step=steps)
+        speed = {"tokens_per_s": result.tokens_per_s, "peak_memory_mb": peak}
+        tracker.log_metrics(
+            {"eval_loss": eval_loss, "linear_weight_mb": metrics["linear_weight_mb"], **speed}, step=steps
+        )
         meta = {
             "base": cfg.base,
             "quantization": cfg.quantization,
             "step": steps,
             "dropped_records": dropped,
-            "git_commit": track.git_commit(),
             "storage_dtype": str(storage_dtype(cfg, rt.device)),
             "compute_dtype": str(runtime.compute_dtype(rt.device)),
             "world_size": rt.world_size,
             "cpu": runtime.cpu_info(),
-            "packages": provenance.packages(f"stages.{STAGE}"),
+            **stage.code_record(STAGE),
         }
 
         def write(tmp: Path) -> None:
             save_adapter_and_merged(tmp, adapter_sd, cfg, tok, rt.device)
-            headline = ("eval_loss", "peak_memory_mb", "linear_weight_bits_per_weight")
+            headline = ("eval_loss", "linear_weight_bits_per_weight")
             stage.write_metrics(tmp, metrics, {k: metrics[k] for k in headline})
             atomic.write_json(tmp / "results.json", result_rows(cfg, metrics))
             atomic.write_json(tmp / "meta.json", meta)
@@ -415,6 +423,8 @@ def run(
 
         stage.publish(output, rt, write)
         if rt.is_main:
+            stage.write_measured(measured, output, speed)
+            tracker.log_artifact(measured)
             tracker.log_artifact(output / "plots/loss.png", "plots")
             tracker.log_artifact(output / "figures.json")
             tracker.log_artifact(output / "adapter", "adapter")
@@ -428,7 +438,7 @@ def run(
         rt=rt,
     )
     # One process: hand back the trained model itself (tests compare it with what was saved).
-    return {**metrics, "history": hist, "model": trained}
+    return {**metrics, **speed, "history": hist, "model": trained}
 
 
 def check_records(inp: Path) -> tuple[Path, list[dict]]:
@@ -455,7 +465,7 @@ def main(argv=None) -> dict:
 
     def body(rt, stop):
         check_parallelism(cfg, rt)
-        return run(cfg, records, records_path, output, rt, stop)
+        return run(cfg, records, records_path, output, Path(args.measured), rt, stop)
 
     return stage.launch(STAGE, body, train=cfg.train)
 

@@ -19,17 +19,27 @@ The rows checked in the report: the 8-bit optimizers' state against AdamW's (<= 
 activation memory), and selective checkpointing between none and full on memory and on speed (tokens per
 CPU second on a CPU, tokens/s on a GPU).
 
+The stage's purpose is a measurement, and a measurement differs from run to run: what is computed (the
+optimizers' state sizes and losses, and the rows about them) is its output, whose bytes depend only on
+the inputs, params and code; what is measured (memory, speed, and the rows about them) goes to
+--measured (measured/memory_study.json, and its plot measured/memory_study.png), outside the output.
+
 Run:
     python -m stages.memory_study --input data/tokenize --output data/memory_study [key=value ...]
     snakemake --cores all memory_study        # or: dvc repro memory_study
 
 Output (data/memory_study/):
-    table.csv          one row per technique and context: the figures above
-    figures.json       per technique at the longest context: peak, activation and optimizer-state MiB,
-                       tokens/s, loss against the baseline's
-    metrics.json       peak MiB per technique at the longest context (DVC metrics)
-    results.json       the report rows
-    plots/memory.png   peak memory and its activation part per technique and context
+    table.csv          one row per technique and context: optimizer-state MiB, final loss and its ratio
+                       to the baseline's
+    figures.json       the same per technique at the longest context
+    metrics.json       optimizer-state MiB per technique at the longest context (DVC metrics)
+    results.json       the report rows about the optimizers
+    meta.json          the CPU, the code's hash and the package versions
+Measured (--measured, measured/memory_study.json):
+    techniques         per technique at the longest context: peak and activation MiB, tokens/s, tokens per CPU s
+    table              the same per technique and context
+    rows               the report rows about activation checkpointing
+and its plot (measured/memory_study.png): peak memory and its activation part per technique and context.
 """
 
 from __future__ import annotations
@@ -49,7 +59,7 @@ from pathlib import Path
 import torch
 
 from stages import pretrain
-from stages.common import atomic, config, loop, provenance, runtime, shards, stage, track
+from stages.common import atomic, config, loop, runtime, shards, stage, track
 
 STAGE = "memory_study"
 BASELINE = "baseline"
@@ -236,42 +246,57 @@ def plot(cfg: Config, table: dict, path: Path) -> None:
     plt.close(fig)
 
 
+COMPUTED = ("optimizer_state_mb", "final_loss")  # functions of the inputs, params and code
+MEASURED = ("peak_mb", "activation_mb", "tokens_per_s", "tokens_per_cpu_s")  # of this run on this machine
+
+
 def write_outputs(tmp: Path, cfg: Config, table: dict) -> dict:
+    """The computed part of the study (the output folder); returns figures.json's techniques."""
     base = {c: table[BASELINE, c] for c in cfg.contexts}
     with open(tmp / "table.csv", "w", newline="") as fh:
         writer = csv.writer(fh)
-        fields = ("peak_mb", "activation_mb", "optimizer_state_mb", "tokens_per_s", "tokens_per_cpu_s", "final_loss")
-        writer.writerow(("technique", "context", *fields, "loss_vs_baseline"))
+        writer.writerow(("technique", "context", *COMPUTED, "loss_vs_baseline"))
         for (name, context), run in table.items():
             ratio = run["final_loss"] / base[context]["final_loss"]
-            writer.writerow((name, context, *(round(run[f], 4) for f in fields), round(ratio, 4)))
+            writer.writerow((name, context, *(round(run[f], 4) for f in COMPUTED), round(ratio, 4)))
     longest = max(cfg.contexts)
     metrics = {
         name: {
-            "peak_mb": round(table[name, longest]["peak_mb"], 1),
-            "activation_mb": round(table[name, longest]["activation_mb"], 1),
             "optimizer_state_mb": round(table[name, longest]["optimizer_state_mb"], 3),
-            "tokens_per_s": round(table[name, longest]["tokens_per_s"], 1),
-            "tokens_per_cpu_s": round(table[name, longest]["tokens_per_cpu_s"], 1),
+            "final_loss": round(table[name, longest]["final_loss"], 4),
             "loss_vs_baseline": round(table[name, longest]["final_loss"] / base[longest]["final_loss"], 4),
         }
         for name in cfg.techniques
     }
-    stage.write_metrics(
-        tmp, {"context": longest, "techniques": metrics}, {"peak_mb": {n: m["peak_mb"] for n, m in metrics.items()}}
-    )
-    atomic.write_json(tmp / "results.json", result_rows(cfg, table))
-    meta = {
-        "git_commit": track.git_commit(),
-        "cpu": runtime.cpu_info(),
-        "packages": provenance.packages(f"stages.{STAGE}"),
-    }
-    atomic.write_json(tmp / "meta.json", meta)
-    plot(cfg, table, tmp / "plots/memory.png")
+    headline = {"optimizer_state_mb": {n: m["optimizer_state_mb"] for n, m in metrics.items()}}
+    stage.write_metrics(tmp, {"context": longest, "techniques": metrics}, headline)
+    computed, _ = split_rows(cfg, table)
+    atomic.write_json(tmp / "results.json", computed)
+    atomic.write_json(tmp / "meta.json", {"cpu": runtime.cpu_info(), **stage.code_record(STAGE)})
     return metrics
 
 
-def run(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime) -> dict:
+def split_rows(cfg: Config, table: dict) -> tuple[list[dict], list[dict]]:
+    """The report rows: (those about the optimizers, computed; those about memory and speed, measured)."""
+    rows = result_rows(cfg, table)
+    computed = [r for r in rows if "activation checkpointing" not in r["result"]]
+    return computed, [r for r in rows if r not in computed]
+
+
+def write_measured(path: Path, output: Path, cfg: Config, table: dict) -> dict:
+    """The measured part of the study: figures, rows and the plot (beside `path`, .png)."""
+    longest = max(cfg.contexts)
+    rounding = {"peak_mb": 1, "activation_mb": 1, "tokens_per_s": 1, "tokens_per_cpu_s": 1}
+    techniques = {n: {k: round(table[n, longest][k], rounding[k]) for k in MEASURED} for n in cfg.techniques}
+    rows = [{"technique": n, "context": c, **{k: round(run[k], 4) for k in MEASURED}} for (n, c), run in table.items()]
+    _, measured_rows = split_rows(cfg, table)
+    figures = {"context": longest, "techniques": techniques, "table": rows, "rows": measured_rows}
+    stage.write_measured(path, output, figures)
+    plot(cfg, table, path.with_suffix(".png"))
+    return figures
+
+
+def run(cfg: Config, inp: Path, output: Path, measured: Path, rt: runtime.Runtime) -> dict:
     table = {}
     with stage.tracked(STAGE, cfg, [inp], rt) as (tracker, _):
         for context in cfg.contexts:
@@ -283,9 +308,11 @@ def run(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime) -> dict:
                 print(f"memory_study: {name} at context {context}: {figures}", flush=True)
                 tracker.log_metrics({f"{name}.{k}": v for k, v in table[name, context].items()}, step=context)
         metrics = stage.publish(output, rt, lambda tmp: write_outputs(tmp, cfg, table))
+        figures = write_measured(measured, output, cfg, table)
         tracker.log_artifact(output / "table.csv")
-        tracker.log_artifact(output / "plots", "plots")
-    return {"table": table, "metrics": metrics}
+        tracker.log_artifact(measured)
+        tracker.log_artifact(measured.with_suffix(".png"), "plots")
+    return {"table": table, "metrics": metrics, "measured": figures}
 
 
 def main(argv=None) -> dict:
@@ -310,7 +337,7 @@ def main(argv=None) -> dict:
             )
         for name, overrides in cfg.techniques.items():  # as each run will see them
             technique_config(cfg.train, name, overrides).check_layout(f"{STAGE}.techniques.{name}", rt)
-        return run(cfg, inp, output, rt)
+        return run(cfg, inp, output, Path(args.measured), rt)
 
     return stage.launch(STAGE, body)
 

@@ -16,11 +16,12 @@ Run:
 
 Output (data/pretrain/):
     model/         config.json, model.safetensors, tokenizer files: AutoModelForCausalLM/AutoTokenizer load it
-    meta.json      step, tokens seen, final train/val loss, git commit, parameter count, model config,
-                   compute dtype and the CPU the kernels were chosen for
-    figures.json   final train/val loss, tokens seen, parameters, tokens/s, MFU
-    metrics.json   final val loss, tokens/s, MFU (DVC metrics)
+    meta.json      step, tokens seen, final train/val loss, parameter count, model config, compute
+                   dtype, the CPU the kernels were chosen for, the code's hash and the package versions
+    figures.json   final train/val loss, tokens seen, parameters
+    metrics.json   final val loss (DVC metrics)
     plots/loss.csv, val_loss.csv, loss.png   the loss curves (DVC plots)
+and, outside it (--measured, measured/pretrain.json in the pipeline): tokens/s and MFU of this run.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.common import atomic, ckpt, config, loop, provenance, runtime, shards, stage, track
+from stages.common import atomic, ckpt, config, loop, runtime, shards, stage
 
 STAGE = "pretrain"
 
@@ -130,19 +131,17 @@ def save_outputs(tmp: Path, model_sd: dict, cfg: Config, meta_in: dict, inp: Pat
         "tokens_seen": steps * cfg.train.batch_size * cfg.context_length,
         "final_train_loss": hist["loss"][-1],
         "final_val_loss": hist["val_loss"][-1] if hist["val_loss"] else None,
-        "git_commit": track.git_commit(),
         "parameters": n_params,
         "flops_per_token": result.flops_per_token,
         "model_config": model.config.to_dict(),
         "compute_dtype": result.compute_dtype,
         "optimizer_state_bytes": result.optimizer_state_bytes,  # rank 0's (its shard under fsdp)
         "cpu": runtime.cpu_info(),
-        "packages": provenance.packages(f"stages.{STAGE}"),
+        **stage.code_record(STAGE),
     }
     atomic.write_json(tmp / "meta.json", meta)
     figures = {k: meta[k] for k in ("final_train_loss", "final_val_loss", "tokens_seen", "parameters")}
-    figures |= {"tokens_per_s": result.tokens_per_s, "mfu": result.mfu}
-    stage.write_metrics(tmp, figures, {k: figures[k] for k in ("final_val_loss", "tokens_per_s", "mfu")})
+    stage.write_metrics(tmp, figures, {"final_val_loss": figures["final_val_loss"]})
     loop.write_curves(tmp / "plots", hist)
     val = dict(zip(hist["val_step"], hist["val_loss"], strict=True))
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -157,7 +156,9 @@ def save_outputs(tmp: Path, model_sd: dict, cfg: Config, meta_in: dict, inp: Pat
     return meta
 
 
-def run(cfg: Config, inp: Path, output: Path, meta_in: dict, rt: runtime.Runtime, stop: runtime.StopFlag) -> dict:
+def run(
+    cfg: Config, inp: Path, output: Path, measured: Path, meta_in: dict, rt: runtime.Runtime, stop: runtime.StopFlag
+) -> dict:
     """Build the model and data, train, publish. The wrapped (DDP/FSDP) model lives only in here: it
     must be gone before the process group is torn down, or gloo's shutdown can deadlock on it."""
     runtime.seed_everything(cfg.train.seed)
@@ -173,6 +174,13 @@ def run(cfg: Config, inp: Path, output: Path, meta_in: dict, rt: runtime.Runtime
         model_sd = loop.full_state_dict(result.model, rt)
         meta = stage.publish(output, rt, lambda tmp: save_outputs(tmp, model_sd, cfg, meta_in, inp, result))
         if rt.is_main:
+            speed = {
+                "tokens_per_s": result.tokens_per_s,
+                "mfu": result.mfu,
+                "tokens_per_cpu_s": result.tokens_per_cpu_s,
+            }
+            stage.write_measured(measured, output, speed)
+            tracker.log_artifact(measured)
             tracker.log_artifact(output / "plots/loss.png", "plots")
             tracker.log_artifact(output / "meta.json")
             stage.register_models(tracker, STAGE, cfg, {None: output / "model"}, output, [inp], digest)
@@ -191,7 +199,8 @@ def main(argv=None) -> dict:
     args, cfg = stage.setup(__doc__, STAGE, Config, {"input": "data/tokenize", "output": "data/pretrain"}, argv)
     inp, output = Path(args.input), Path(args.output)
     meta_in = check_input(inp)
-    return stage.launch(STAGE, lambda rt, stop: run(cfg, inp, output, meta_in, rt, stop), train=cfg.train)
+    measured = Path(args.measured)
+    return stage.launch(STAGE, lambda rt, stop: run(cfg, inp, output, measured, meta_in, rt, stop), train=cfg.train)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,10 @@
 """report: collect every stage's metrics, reproduced results and plots into reports/results.{md,json}.
 
+reports/ is a function of the stage outputs it reads, the params and the code (no commit, no timing),
+so a re-run of an unchanged pipeline writes it byte for byte. What the stages measured (--measured-inputs:
+measured/<stage>.json, throughput, seconds, peak memory, and the rows that check measured figures) is
+collected into --measured (measured/report.json) instead, which results.md points to.
+
 Each stage's output folder may hold
     figures.json   every figure of the stage (shown in the report; eval_perplexity's hold the perplexities
                    the regression check reads)
@@ -14,7 +19,8 @@ Each stage's output folder may hold
     plots/*.png    figures, linked from the report
 
 Every row of the report has one schema (ROW_FIELDS): result, paper, relation, published figure,
-ours, tolerance, pass (ours against published under the relation), stage, git commit, data hashes.
+ours, tolerance, pass (ours against published under the relation), stage, data hashes. (The commit
+that made the outputs is in each stage's MLflow run and its registered models' lineage.)
 A stage run once per item (data/<stage>/<item>, e.g. finetune_qlora/nf4 and finetune_qlora/none)
 also gets a comparison table: the metrics its items share, one column per item.
 
@@ -54,7 +60,6 @@ ROW_FIELDS = (
     "tolerance",
     "pass",
     "stage",
-    "git_commit",
     "data_hashes",
 )
 ROW_INPUT_FIELDS = ("result", "paper", "published", "ours", "tolerance")
@@ -87,11 +92,15 @@ def stage_label(folder: Path) -> str:
     return "/".join(parts[1:]) if len(parts) > 1 and parts[0] == "data" else folder.name
 
 
-def read_rows(folder: Path, label: str, commit: str, data_files: dict) -> list[dict]:
+def read_rows(folder: Path, label: str, data_files: dict) -> list[dict]:
     path = folder / "results.json"
     if not path.is_file():
         return []
-    rows = json.loads(path.read_text())
+    return check_rows(json.loads(path.read_text()), path, label, data_files)
+
+
+def check_rows(rows: list[dict], path: Path, label: str, data_files: dict) -> list[dict]:
+    """Rows of `path` in the report's schema, each with its verdict."""
     out = []
     for i, row in enumerate(rows):
         missing = [k for k in ROW_INPUT_FIELDS if k not in row]
@@ -111,7 +120,6 @@ def read_rows(folder: Path, label: str, commit: str, data_files: dict) -> list[d
             "relation": relation,
             "pass": passed,
             "stage": label,
-            "git_commit": commit,
             "data_hashes": hashes,
         }
         out.append({k: values[k] for k in ROW_FIELDS})
@@ -132,11 +140,14 @@ def fmt(value, verdict: bool = False) -> str:
 
 
 def render_markdown(doc: dict) -> str:
-    lines = [
-        "# Results",
-        "",
-        f"Git commit: `{doc['git_commit']}`",
-        "",
+    lines = ["# Results", ""]
+    if doc.get("measured"):
+        lines += [
+            f"Measured figures (throughput, seconds, peak memory: they differ from run to run) and the "
+            f"{doc['measured_rows']} row(s) that check them are in `{doc['measured']}`.",
+            "",
+        ]
+    lines += [
         "## Reproduced results",
         "",
         "| " + " | ".join(ROW_FIELDS) + " |",
@@ -191,12 +202,16 @@ def render_markdown(doc: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def build_report(inputs: list[Path]) -> dict:
-    commit = track.git_commit()
-    data_files = {}
+def raw_data_files(inputs: list[Path]) -> dict:
+    """{raw file name: its hash}, from prepare_data's meta.json where it is among the inputs."""
     for folder in inputs:
         if (folder / "meta.json").is_file() and stage_label(folder) == "prepare_data":
-            data_files = json.loads((folder / "meta.json").read_text()).get("files", {})
+            return json.loads((folder / "meta.json").read_text()).get("files", {})
+    return {}
+
+
+def build_report(inputs: list[Path]) -> dict:
+    data_files = raw_data_files(inputs)
     rows, stage_metrics, plots = [], {}, []
     for folder in inputs:
         if not folder.is_dir():
@@ -207,16 +222,31 @@ def build_report(inputs: list[Path]) -> dict:
             if (folder / name).is_file():
                 stage_metrics[label] = json.loads((folder / name).read_text())
                 break
-        rows += read_rows(folder, label, commit, data_files)
+        rows += read_rows(folder, label, data_files)
         plots += sorted(str(p) for p in folder.glob("plots/*.png"))
     return {
-        "git_commit": commit,
         "row_fields": list(ROW_FIELDS),
         "rows": rows,
         "stage_metrics": stage_metrics,
         "comparisons": comparisons(stage_metrics),
         "plots": plots,
     }
+
+
+def build_measured(files: list[Path], data_files: dict) -> dict:
+    """What the stages measured (stage.write_measured files): {"rows": the rows checking measured figures,
+    with their verdicts; "stages": {stage label: figures}; "plots": the plots beside them (.png)}."""
+    rows, stages, plots = [], {}, []
+    for path in files:
+        if not path.is_file():
+            raise config.UserError(f"report: {path} not found; run the stage that measures it first")
+        doc = json.loads(path.read_text())
+        label = stage_label(Path(doc.get("output", path.stem)))
+        rows += check_rows(doc.get("rows", []), path, label, data_files)
+        stages[label] = {k: v for k, v in doc.items() if k not in ("output", "rows")}
+        if path.with_suffix(".png").is_file():
+            plots.append(str(path.with_suffix(".png")))
+    return {"row_fields": list(ROW_FIELDS), "rows": rows, "stages": stages, "plots": plots}
 
 
 def params_fingerprint(params: dict) -> str:
@@ -271,7 +301,7 @@ def nearest_record(records: list[dict], params: dict) -> dict | None:
     return {"params": record["params"], "preset": record.get("preset"), "differences": differences}
 
 
-def regression(stage_metrics: dict, params: dict, cfg: Config, commit: str) -> dict:
+def regression(stage_metrics: dict, params: dict, cfg: Config) -> dict:
     """Rows comparing this run's perplexities with the record made under the same params; without one,
     the nearest record and the settings that differ from it."""
     fingerprint = params_fingerprint(params)
@@ -295,7 +325,6 @@ def regression(stage_metrics: dict, params: dict, cfg: Config, commit: str) -> d
                             "tolerance": tol,
                             "pass": got is not None and math.isfinite(got) and abs(got - value) <= tol,
                             "stage": label,
-                            "git_commit": commit,
                             "data_hashes": {},
                         }
                     )
@@ -360,8 +389,9 @@ def comparisons(stage_metrics: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    args, cfg = stage.setup(__doc__, STAGE, Config, {"output": "reports", "inputs": []}, argv)
-    inputs = [Path(p) for p in args.inputs]
+    paths = {"output": "reports", "inputs": [], "measured_inputs": []}
+    args, cfg = stage.setup(__doc__, STAGE, Config, paths, argv)
+    inputs, measured_inputs = [Path(p) for p in args.inputs], [Path(p) for p in args.measured_inputs]
 
     def body(rt, stop):
         doc = None
@@ -369,14 +399,18 @@ def main(argv=None) -> dict:
             metric_files = [p / n for p in inputs for n in ("figures.json", "metrics.json") if (p / n).is_file()]
             with track.start_run(STAGE, config.as_dict(cfg), ckpt.hash_files(metric_files), rt) as tracker:
                 doc = build_report(inputs)
-                doc["regression"] = regression(
-                    doc["stage_metrics"], config.read_yaml(args.params), cfg, doc["git_commit"]
-                )
+                doc["regression"] = regression(doc["stage_metrics"], config.read_yaml(args.params), cfg)
+                measured = build_measured(measured_inputs, raw_data_files(inputs))
+                if measured_inputs:
+                    doc["measured"], doc["measured_rows"] = args.measured, len(measured["rows"])
                 output = Path(args.output)
                 with atomic.folder(output) as tmp:
                     atomic.write_json(tmp / "results.json", doc)
                     (tmp / "results.md").write_text(render_markdown(doc), encoding="utf-8")
-                passed = [r["pass"] for r in doc["rows"]]
+                if measured_inputs:
+                    stage.write_measured(args.measured, output, measured)
+                    tracker.log_artifact(args.measured)
+                passed = [r["pass"] for r in doc["rows"] + measured["rows"]]
                 regressed = [r["pass"] for r in doc["regression"]["rows"]]
                 tracker.log_metrics(
                     {
@@ -399,9 +433,11 @@ def main(argv=None) -> dict:
                         )
             print(
                 f"report: {len(doc['rows'])} reproduced result(s), {len(doc['regression']['rows'])} regression row(s), "
-                f"{len(doc['stage_metrics'])} stage(s) -> {args.output}/results.md"
+                f"{len(measured['rows'])} row(s) of measured figures, {len(doc['stage_metrics'])} stage(s) -> "
+                f"{args.output}/results.md"
             )
-            failed = [r["result"] for r in doc["rows"] + doc["regression"]["rows"] if r["pass"] is False]
+            checked = doc["rows"] + doc["regression"]["rows"] + measured["rows"]
+            failed = [r["result"] for r in checked if r["pass"] is False]
             if cfg.strict and failed:
                 raise config.UserError(f"report: outside tolerance: {', '.join(failed)} (report.strict is true)")
         return runtime.broadcast_object(doc)

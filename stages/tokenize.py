@@ -3,8 +3,10 @@
 Reads data/prepare_data/corpus/ and writes data/tokenize/: the tokenizer in Hugging Face format
 (`AutoTokenizer.from_pretrained("data/tokenize/tokenizer")`), token shards per split and meta.json.
 The shard format, special tokens and per-split counts are defined once, in stages/common/shards.py;
-figures.json holds the counts, bytes per token and encoding throughput (tokens/s); metrics.json (DVC
-metrics) the train tokens, test bytes per token and tokens/s.
+figures.json holds the counts and bytes per token; metrics.json (DVC metrics) the train tokens and test
+bytes per token. What the run measured (seconds to train the tokenizer and to encode, tokens/s, the chunks
+it encoded and those it resumed) goes to --measured (measured/tokenize.json in the pipeline), outside the
+output, whose bytes depend only on the corpus, the params and the code.
 
 The tokenizer is trained on rank 0 (the `tokenizers` trainer is itself multi-threaded). Encoding is
 streamed in bounded memory: each split is cut into chunks of whole lines (at most 64 MiB of text, at
@@ -251,7 +253,9 @@ def encode_chunks(tok, cfg: Config, corpus: Path, work: Path, rt: runtime.Runtim
     }
 
 
-def tokenize(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime, tracker: track.Tracker, work: Path) -> dict:
+def tokenize(
+    cfg: Config, inp: Path, output: Path, measured: Path, rt: runtime.Runtime, tracker: track.Tracker, work: Path
+) -> dict:
     corpus = inp / "corpus"
     if rt.is_main:
         work.mkdir(parents=True, exist_ok=True)
@@ -295,26 +299,30 @@ def tokenize(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime, tracker:
                 meta["splits"][split] = {**counts, "shards": writer.close()}
             atomic.write_json(tmp / "meta.json", meta)
             n_tokens = sum(e["tokens"] for e in encoded)
-            metrics = {
-                "vocab_size": vocab,
+            speed = {
                 "tokenizer_train_s": train_s,
                 "encode_s": encode_s,
                 "tokens_per_s": n_tokens / max(encode_s, 1e-9),  # encoded by this run (a resumed one skips some)
                 "resumed_chunks": encoded[0]["resumed"],
-                "chunks": encoded[0]["chunks"],
+                "chunks": encoded[0]["chunks"],  # (at least one per process)
+            }
+            metrics = {
+                "vocab_size": vocab,
                 **{f"{s}_{k}": v for s, d in meta["splits"].items() for k, v in d.items() if k != "shards"},
                 **{f"{s}_bytes_per_token": d["bytes"] / max(d["tokens"], 1) for s, d in meta["splits"].items()},
             }
-            headline = ("train_tokens", "test_bytes_per_token", "tokens_per_s")
+            headline = ("train_tokens", "test_bytes_per_token")
             stage.write_metrics(tmp, metrics, {k: metrics[k] for k in headline})
-            tracker.log_metrics(metrics)
+            tracker.log_metrics(metrics | speed)
     if rt.is_main:
+        stage.write_measured(measured, output, speed)
+        tracker.log_artifact(measured)
         tracker.log_artifact(output / "tokenizer", "tokenizer")
         tracker.log_artifact(output / "meta.json")
     return runtime.broadcast_object(meta)
 
 
-def run(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime) -> dict:
+def run(cfg: Config, inp: Path, output: Path, measured: Path, rt: runtime.Runtime) -> dict:
     # The tokenizers thread pool would otherwise claim every core in every process.
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // rt.local_world_size)))
     digest = stage.inputs_hash([inp / "corpus"], rt)
@@ -328,7 +336,7 @@ def run(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime) -> dict:
         stage.checkpoints(STAGE, cfg, digest, rt, **key) as work,
         stage.tracked(STAGE, cfg, digest, rt) as (tracker, _),
     ):
-        meta = tokenize(cfg, inp, output, rt, tracker, work)
+        meta = tokenize(cfg, inp, output, measured, rt, tracker, work)
         if rt.is_main:
             ckpt.discard(work)
     runtime.print0(
@@ -344,7 +352,8 @@ def main(argv=None) -> dict:
     args, cfg = stage.setup(__doc__, STAGE, Config, {"input": "data/prepare_data", "output": "data/tokenize"}, argv)
     inp, output = Path(args.input), Path(args.output)
     check_input(inp)
-    return stage.launch(STAGE, lambda rt, stop: run(cfg, inp, output, rt))
+    measured = Path(args.measured)
+    return stage.launch(STAGE, lambda rt, stop: run(cfg, inp, output, measured, rt))
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ pure Python). Evaluation runs on the whole graph.
 
 Reads data/prepare_data/planetoid/<Name>/raw/ (copied to a private folder: PyG writes processed/ next
 to raw/). Writes data/train_gnn/: figures.json (accuracies per model: mean and spread over seeds,
-epochs, times), metrics.json (mean test accuracy per model: DVC metrics), results.json (report rows),
-seeds.json, plots/,
-models/<model>-seed<N>.pt, loaded with stages.models.gnn:
+epochs), metrics.json (mean test accuracy per model: DVC metrics), results.json (report rows),
+seeds.json, plots/, and models/<model>-seed<N>.pt; the seconds it took (in all, per run and per seed)
+go to --measured (measured/train_gnn.json in the pipeline), outside the output. The models load with
+stages.models.gnn:
     ckpt = torch.load(path, weights_only=True)  # plain data: a file from a remote runs no code
     model = build_model(ckpt["model"], **ckpt["kwargs"]); model.load_state_dict(ckpt["state_dict"])
 
@@ -328,7 +329,6 @@ def summarize(results: list[dict], cfg: Config) -> dict:
             "test_acc_std": statistics.stdev(test) if len(test) > 1 else 0.0,
             "val_acc_mean": statistics.fmean(r["val_acc"] for r in rows),
             "best_epoch_mean": statistics.fmean(r["epoch"] for r in rows),
-            "train_s_per_seed": statistics.fmean(r["train_s"] for r in rows),
         }
     return out
 
@@ -414,9 +414,7 @@ def log_curves(tracker: track.Tracker, results: list[dict], cfg: Config) -> None
         client.log_batch(tracker.run_id, metrics=points[i : i + 1000])
 
 
-def save_outputs(
-    tmp: Path, cfg: Config, results: list[dict], weights: dict, rt: runtime.Runtime, t_start: float
-) -> dict:
+def save_outputs(tmp: Path, cfg: Config, results: list[dict], weights: dict) -> dict:
     """Rank 0 writes the output folder into `tmp`; returns figures.json's contents."""
     summary = summarize(results, cfg)
     (tmp / "models").mkdir()
@@ -432,17 +430,32 @@ def save_outputs(
             },
             tmp / "models" / f"{kind}-seed{seed}.pt",
         )
-    atomic.write_json(tmp / "seeds.json", [{k: v for k, v in r.items() if k != "curves"} for r in results])
+    atomic.write_json(
+        tmp / "seeds.json", [{k: v for k, v in r.items() if k not in ("curves", "train_s")} for r in results]
+    )
     if not cfg.minibatch.enabled:
         atomic.write_json(tmp / "results.json", result_rows(summary, cfg))
     plot_accuracy(results, summary, cfg, tmp / "plots" / "accuracy.png")
-    summary["world_size"] = rt.world_size
-    summary["wall_s"] = time.perf_counter() - t_start
     stage.write_metrics(tmp, summary, {"test_acc": {kind: summary[kind]["test_acc_mean"] for kind in cfg.models}})
     return summary
 
 
-def run(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime, stop: runtime.StopFlag, t_start: float) -> dict:
+def measured_times(results: list[dict], cfg: Config, rt: runtime.Runtime, t_start: float) -> dict:
+    """The seconds this run took: in all (from the start of the process), per model and seed, and per
+    seed on average; and the processes it ran in. Measured, not computed: outside the output."""
+    return {
+        "wall_s": time.perf_counter() - t_start,
+        "world_size": rt.world_size,
+        "train_s": {f"{r['model']}-seed{r['seed']}": r["train_s"] for r in results},
+        "train_s_per_seed": {
+            kind: statistics.fmean(r["train_s"] for r in results if r["model"] == kind) for kind in cfg.models
+        },
+    }
+
+
+def run(
+    cfg: Config, inp: Path, output: Path, measured: Path, rt: runtime.Runtime, stop: runtime.StopFlag, t_start: float
+) -> dict:
     torch.set_num_threads(cfg.threads)
     with stage.tracked(STAGE, cfg, raw_files(inp, cfg.dataset), rt) as (tracker, _):
         data = load_planetoid(inp, cfg.dataset)
@@ -458,11 +471,15 @@ def run(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime, stop: runtime
         keys = sorted(gathered, key=lambda key: (cfg.models.index(key[0]), key[1]))
         weights = {key: (gathered[key].pop("kwargs"), gathered[key].pop("state_dict")) for key in keys}
         results = [gathered[key] for key in keys]
-        summary = stage.publish(output, rt, lambda tmp: save_outputs(tmp, cfg, results, weights, rt, t_start))
+        summary = stage.publish(output, rt, lambda tmp: save_outputs(tmp, cfg, results, weights))
+        times = measured_times(results, cfg, rt, t_start)
         if rt.is_main:
+            stage.write_measured(measured, output, times)
+            tracker.log_artifact(measured)
             tracker.log_metrics(
                 {
-                    "wall_s": summary["wall_s"],
+                    "wall_s": times["wall_s"],
+                    **{f"{kind}_train_s_per_seed": value for kind, value in times["train_s_per_seed"].items()},
                     **{f"{kind}_{key}": value for kind in cfg.models for key, value in summary[kind].items()},
                 }
             )
@@ -474,10 +491,10 @@ def run(cfg: Config, inp: Path, output: Path, rt: runtime.Runtime, stop: runtime
         + ", ".join(
             f"{k.upper()} {summary[k]['test_acc_mean']:.2f} ± {summary[k]['test_acc_std']:.2f}" for k in cfg.models
         )
-        + f" ({summary['wall_s']:.1f} s) -> {output}",
+        + f" ({times['wall_s']:.1f} s) -> {output}",
         rt=rt,
     )
-    return {"summary": summary, "seeds": results}
+    return {"summary": summary, "seeds": results, "measured": times}
 
 
 def main(argv=None) -> dict:
@@ -490,7 +507,8 @@ def main(argv=None) -> dict:
             "train_gnn.minibatch.loader is 'neighbor' but NeighborLoader needs pyg-lib or torch-sparse, "
             "neither of which is installed; use minibatch.loader=auto or minibatch.loader=random_node"
         )
-    return stage.launch(STAGE, lambda rt, stop: run(cfg, inp, output, rt, stop, t_start))
+    measured = Path(args.measured)
+    return stage.launch(STAGE, lambda rt, stop: run(cfg, inp, output, measured, rt, stop, t_start))
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ RECORDS = ("dvc.lock", "mlflow.db", "params.yaml")
 
 def _fingerprint(clone: Path) -> dict[str, str]:
     records = {name: hashlib.sha256((clone / name).read_bytes()).hexdigest() for name in RECORDS}
-    return {**output_hashes(clone), **records}
+    return {**output_hashes(clone, ("data", "reports", "measured")), **records}
 
 
 def _make(entry: Path, parts: list[str]) -> None:

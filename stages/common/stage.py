@@ -65,6 +65,12 @@ def parse_cli(doc: str, paths: dict, argv=None) -> tuple[argparse.Namespace, lis
             nargs="+" if many else None,
             help=f"default: {default}",
         )
+    parser.add_argument(
+        "--measured",
+        default=None,
+        help="where to write what the run measured (timings, memory): a file outside the output, which DVC "
+        "does not cache (default: <output>.measured.json)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     # Intermixed: overrides may come before, between or after the options.
     args = parser.parse_intermixed_args(argv)
@@ -75,6 +81,8 @@ def parse_cli(doc: str, paths: dict, argv=None) -> tuple[argparse.Namespace, lis
             values = getattr(args, name)
             setattr(args, name, [v for v in values if "=" not in v])
             overrides += [v for v in values if "=" in v]
+    if args.measured is None and getattr(args, "output", None):
+        args.measured = f"{args.output}.measured.json"
     return args, overrides
 
 
@@ -231,6 +239,24 @@ def write_metrics(folder: str | Path, figures: dict, headline: dict) -> None:
     and figures.json, every figure (what the report, the tests and a closer look read)."""
     atomic.write_json(Path(folder) / "metrics.json", headline)
     atomic.write_json(Path(folder) / "figures.json", figures)
+
+
+def write_measured(path: str | Path, output: str | Path, figures: dict) -> None:
+    """What a run measured rather than computed (throughput, MFU, seconds, peak memory), written to
+    `path` outside the stage's output (pipelines/stages.yaml `measured`, an out DVC does not cache):
+    these numbers change from run to run on the same inputs, so inside the output they would change its
+    hash. {"output": the output they were measured for, **figures}. Rank 0 calls it."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(Path(path), {"output": str(output), **figures})
+
+
+def code_record(section: str) -> dict:
+    """What an output's meta.json records of the code and environment that made it: the hash of the
+    stage's code (stages.common.provenance) and the versions of the packages it imports. Not the git
+    commit: an unrelated commit must not change an output's hash (the commit is in the MLflow run and
+    the registered model's lineage)."""
+    module = f"stages.{section}"
+    return {"code_sha256": ckpt.writer_record(module)["code_sha256"], "packages": provenance.packages(module)}
 
 
 def read_figures(folder: str | Path) -> dict:
