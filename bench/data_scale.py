@@ -169,7 +169,7 @@ def run_path(corpus: Path, work: Path, steps: int = 3, train_max_mb: int = 64) -
         work,
         env,
     )
-    meta = json.loads((work / "data/pretrain/figures.json").read_text())
+    meta = json.loads((work / "data/pretrain.measured.json").read_text())  # what the stage measured
     for name, result in (("prepare_data", prep), ("tokenize", tok), ("pretrain", pre)):
         figures[name] = {k: v for k, v in result.items() if k != "output"}
         figures[name]["mb_per_s"] = round(size_mb / result["seconds"], 2)

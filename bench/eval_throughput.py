@@ -183,14 +183,20 @@ def main() -> None:
         # bf16 beside fp32 on CPUs that compute it natively (on GPUs the stage is in bf16 already)
         bf16 = device.type == "cpu" and dtype == torch.float32 and runtime.cpu_has_native_bf16() and not args.no_bf16
         stage_bf16, rate_bf16 = None, 0.0
+        def measured_run(extra: list[str]) -> dict:
+            """The stage's figures at the context, with the tokens/s it measured (out.measured.json)."""
+            m = eval_perplexity.main([*stage_args, *extra])["models"]["bench"][f"ctx{args.context}"]
+            speed = json.loads((tmp / "out.measured.json").read_text())["models"]["bench"]
+            return {**m, **speed[f"ctx{args.context}"]}
+
         for _ in range(args.repeats):
-            m = eval_perplexity.main(stage_args)["models"]["bench"][f"ctx{args.context}"]
+            m = measured_run([])
             stage = m if stage is None or m["tokens_per_s"] > stage["tokens_per_s"] else stage
             nll_sum, n_tokens, seen, seconds = baseline(model, stream, args.context, args.stride)
             base_tps = max(base_tps, n_tokens / seconds)
             rate = max(rate, matmul_flops(device, dtype))
             if bf16:
-                m = eval_perplexity.main([*stage_args, "precision=bf16"])["models"]["bench"][f"ctx{args.context}"]
+                m = measured_run(["precision=bf16"])
                 stage_bf16 = m if stage_bf16 is None or m["tokens_per_s"] > stage_bf16["tokens_per_s"] else stage_bf16
                 rate_bf16 = max(rate_bf16, matmul_flops(device, torch.bfloat16))
         forward_fpt = loop.flops_per_token(model, args.context) / 3  # the forward third of forward + backward

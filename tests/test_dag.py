@@ -141,23 +141,40 @@ def test_foreach_stages_map_to_dvc_foreach_and_snakemake_wildcards(tmp_path):
         "outs": ["data/per_model/${item}"],
         "metrics": ["data/per_model/${item}/metrics.json"],
         "foreach": ["small", "large"],
+        "measured": ["json", "png"],
     }
     table.write_text(yaml.safe_dump(doc, sort_keys=False))
     (root / "stages/per_model.py").write_text("from stages import report  # noqa: F401\n")
     (root / "dvc.yaml").write_text(dag.render_dvc(dag.load_table(table)))
     stages = dag.dvc_view(root)
     assert {"per_model@small", "per_model@large"} <= set(stages)
-    assert stages["per_model@large"]["outs"] == ["data/per_model/large"]
+    measured = ["measured/per_model/large.json", "measured/per_model/large.png"]
+    assert stages["per_model@large"]["outs"] == ["data/per_model/large", *measured]
+    assert stages["per_model@large"]["cmd"].endswith("--measured measured/per_model/large.json")
     assert "data/per_model/small" in stages["report"]["deps"], "report collects each instance"
+    assert "measured/per_model/small.json" in stages["report"]["deps"], "and what each measured"
+    assert " measured/per_model/small.json " in stages["report"]["cmd"].split("--measured-inputs")[1]
     assert dag.disagreements(root) == []
-    generated = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["per_model"]
-    assert generated["foreach"] == ["small", "large"] and "${item}" in generated["do"]["cmd"]
+    generated = yaml.safe_load((root / "dvc.yaml").read_text())
+    body = generated["stages"]["per_model"]
+    assert body["foreach"] == ["small", "large"] and "${item}" in body["do"]["cmd"]
+    # measured files: outs DVC does not cache (committed to git with dvc.lock); the plot is a DVC plot
+    assert body["do"]["outs"][1:] == [{f"measured/per_model/${{item}}.{k}": {"cache": False}} for k in ("json", "png")]
+    assert "measured/per_model/small.png" in generated["plots"]
 
 
 def test_unknown_table_key_is_an_error(tmp_path):
     table = tmp_path / "stages.yaml"
     table.write_text("stages:\n  tokenize:\n    args: x\n    output: [y]\n")
     with pytest.raises(dag.TableError, match="stage tokenize: unknown key\\(s\\) \\['output'\\]"):
+        dag.load_table(table)
+
+
+@pytest.mark.parametrize("measured", [["png"], ["json", "csv"], ["json", "json"]])
+def test_a_bad_measured_entry_is_an_error(tmp_path, measured):
+    table = tmp_path / "stages.yaml"
+    table.write_text(yaml.safe_dump({"stages": {"tokenize": {"args": "x", "measured": measured}}}))
+    with pytest.raises(dag.TableError, match=r"stage tokenize: measured .*: use \[json\] or \[json, png\]"):
         dag.load_table(table)
 
 

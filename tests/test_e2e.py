@@ -91,10 +91,13 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     items = {"eval_perplexity@pretrain", "eval_perplexity@extend_context", "finetune_qlora@nf4", "finetune_qlora@none"}
     assert items | {"pretrain", "report"} <= names, "stage runs are named with their item"
     results = (clone / "reports/results.md").read_text()
-    assert (
-        "| result | paper | relation | published | ours | tolerance | pass | stage | git_commit | data_hashes |"
-        in results
-    )
+    assert "| result | paper | relation | published | ours | tolerance | pass | stage | data_hashes |" in results
+    # What the stages measured is beside their outs, declared to both tools, and read by the report.
+    measured = {f"measured/{n}.json" for n in ("tokenize", "pretrain", "extend_context", "train_gnn", "report")}
+    measured |= {f"measured/{n}.json" for n in ("finetune_qlora/nf4", "eval_perplexity/pretrain")}
+    assert all((clone / m).is_file() for m in measured | {"measured/memory_study.png"})
+    assert json.loads((clone / "measured/pretrain.json").read_text())["tokens_per_s"] > 0
+    assert "`measured/report.json`" in results and "tokens_per_s" not in results
     assert "### tokenize" in results and (clone / "reports/results.json").is_file()
     assert (
         "| GCN test accuracy on Cora (%), mean of 2 seeds | Kipf & Welling 2017 (GCN), Table 2 | = | 81.5 |" in results
@@ -178,15 +181,34 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
     assert UP_TO_DATE in sh("dvc status", clone)
 
-    # One MLflow group per invocation that ran stages: two from snakemake, two from DVC.
+    # A re-run of an unchanged stage reproduces its out's hash: only what it measured (an out DVC does
+    # not cache) changes, so only the report, which reads that, is re-run after it, and the report's own
+    # out is again the same bytes. `dvc exp show` then marks nothing as changed ("!").
+    sh("git add -A && git -c user.name=ci -c user.email=ci@localhost commit -qm run", clone)
+    before = yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
+    assert dvc_ran(sh("dvc repro -f -s tokenize", clone)) == {"tokenize"}
+    assert dvc_ran(sh("dvc repro", clone)) == {"report"}
+    after = yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
+    changed = {
+        o["path"]
+        for name, entry in after.items()
+        for o, old in zip(entry["outs"], before[name]["outs"], strict=True)
+        if o["md5"] != old["md5"]
+    }
+    assert changed == {"measured/tokenize.json", "measured/report.json"}, changed
+    assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
+    assert "!" not in sh("dvc exp show --csv", clone)
+
+    # One MLflow group per invocation that ran stages: two from snakemake, four from DVC.
     groups = mlflow_groups(clone)
     by_tool = {tool: sorted(str(v) for k, v in groups.items() if k.startswith(tool)) for tool in ("smk-", "dvc-")}
     downstream = sorted(["eval_perplexity", "finetune_qlora", *DOWNSTREAM])  # each runs twice (two items)
     full = sorted(["prepare_data", "train_gnn", *downstream])
     study = ["context_study", "report"]
     assert by_tool["smk-"] == sorted(map(str, [full, study]))
-    assert by_tool["dvc-"] == [str(study)] * 2  # dvc repro, dvc exp run
-    assert len(groups) == 4
+    # dvc repro, dvc exp run, then the forced tokenize and the report after it
+    assert by_tool["dvc-"] == sorted(map(str, [study, study, ["tokenize"], ["report"]]))
+    assert len(groups) == 6
 
 
 def kill_everything_in(folder: Path) -> int:

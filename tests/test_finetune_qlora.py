@@ -130,10 +130,13 @@ def test_one_process_trains_and_its_outputs_load_in_peft_and_transformers(base):
     assert len(AutoTokenizer.from_pretrained(base / "one/model")) == merged.config.vocab_size
     metrics = json.loads((base / "one/figures.json").read_text())
     headline = json.loads((base / "one/metrics.json").read_text())
-    assert headline == {k: metrics[k] for k in ("eval_loss", "peak_memory_mb", "linear_weight_bits_per_weight")}
-    assert metrics["tokens_per_s"] > 0 and metrics["train_records"] + metrics["eval_records"] <= 200
+    assert headline == {k: metrics[k] for k in ("eval_loss", "linear_weight_bits_per_weight")}
+    assert metrics["train_records"] + metrics["eval_records"] <= 200
     # NF4 + double quantization: 4 bits per weight plus the per-block constants (QLoRA: 4.127 bits).
-    assert 4.1 < metrics["linear_weight_bits_per_weight"] < 4.2 and metrics["peak_memory_mb"] > 0
+    assert 4.1 < metrics["linear_weight_bits_per_weight"] < 4.2
+    # speed and memory are measured, outside the output (by default beside it)
+    measured = json.loads((base / "one.measured.json").read_text())
+    assert measured["tokens_per_s"] > 0 and measured["peak_memory_mb"] > 0 and "peak_memory_mb" not in metrics
     # The default paged 8-bit AdamW: two uint8 moments per adapter weight plus an fp32 scale per block of
     # 256 and the two shared 256-entry maps, not two fp32 moments. bitsandbytes keeps tensors of fewer
     # than 4,096 entries (here the B matrices of k_proj and v_proj) in 32 bits.

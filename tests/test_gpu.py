@@ -37,7 +37,7 @@ def test_bf16_on_one_gpu_trains_and_saves_a_loadable_model(tokenized):
 
     model = AutoModelForCausalLM.from_pretrained(tokenized / "gpu1/model")
     assert next(model.parameters()).dtype == torch.float32, "weights are kept and saved in fp32"
-    assert json.loads((tokenized / "gpu1/metrics.json").read_text())["tokens_per_s"] > 0
+    assert json.loads((tokenized / "gpu1.measured.json").read_text())["tokens_per_s"] > 0
 
 
 def test_nccl_group_of_one_and_fsdp2_bf16_policy_train_like_one_process(tmp_path):

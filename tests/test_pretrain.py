@@ -12,7 +12,7 @@ import torch
 from conftest import TINY_MODEL, loss_curve, run_stage
 
 from stages import pretrain
-from stages.common import ckpt, config
+from stages.common import ckpt, config, provenance
 
 TINY = [
     *TINY_MODEL,
@@ -73,10 +73,14 @@ def test_ddp_fsdp_and_one_process_train_the_same_model(tokenized, monkeypatch):
     tok = AutoTokenizer.from_pretrained(tokenized / "fsdp/model")
     meta = json.loads((tokenized / "fsdp/meta.json").read_text())
     assert len(tok) == meta["model_config"]["vocab_size"] and meta["tokens_seen"] == 8 * 8 * 64
-    assert meta["step"] == 8 and meta["final_val_loss"] is not None and meta["git_commit"]
+    assert meta["step"] == 8 and meta["final_val_loss"] is not None and "git_commit" not in meta
+    assert meta["code_sha256"] == provenance.code_digest("stages.pretrain")["sha256"] and meta["packages"]["torch"]
     metrics = json.loads((tokenized / "fsdp/metrics.json").read_text())
-    assert set(metrics) == {"final_val_loss", "tokens_per_s", "mfu"}, "the headline figures only"
-    assert metrics["tokens_per_s"] > 0 and 0 < metrics["mfu"] < 1
+    assert set(metrics) == {"final_val_loss"}, "the headline figures only, nothing measured"
+    assert "tokens_per_s" not in json.loads((tokenized / "fsdp/figures.json").read_text())
+    # What the run measured is outside its output (--measured; by default beside it).
+    measured = json.loads((tokenized / "fsdp.measured.json").read_text())
+    assert measured["output"] == "fsdp" and measured["tokens_per_s"] > 0 and 0 < measured["mfu"] < 1
     assert (tokenized / "fsdp/plots/loss.png").stat().st_size > 0
     # generate samples from any model folder; greedy decoding is deterministic and keeps the prompt.
     from stages import generate

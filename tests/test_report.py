@@ -65,7 +65,7 @@ def test_rows_share_one_schema_and_pass_is_computed(tree):
     gcn, gat = doc["rows"]
     assert (gcn["pass"], gat["pass"]) == (True, False)
     assert gcn["data_hashes"] == {"planetoid/Cora/raw/ind.cora.x": "ab" * 32} and gat["data_hashes"] == {}
-    assert gcn["stage"] == "train_gnn" and gcn["git_commit"]
+    assert gcn["stage"] == "train_gnn" and "git_commit" not in doc and "git_commit" not in report.ROW_FIELDS
     md = (tree / "reports/results.md").read_text()
     assert "| GCN Cora test accuracy | Kipf & Welling 2017 | = | 81.5 | 81 | 1 | pass | train_gnn |" in md
     assert "| GAT Cora test accuracy |" in md and "| FAIL |" in md
@@ -150,6 +150,46 @@ def eval_metrics(root, label, ppl):
             }
         },
     )
+
+
+def test_measured_figures_and_their_rows_go_to_the_measured_file_not_the_report(tree):
+    measured = tree / "measured"
+    measured.mkdir()
+    row = {"result": "full activation checkpointing: peak saved", "paper": "Chen et al. 2016", "relation": ">="}
+    doc = {"output": "data/memory_study", "techniques": {"baseline": {"peak_mb": 512.0}}}
+    (measured / "memory_study.json").write_text(
+        json.dumps({**doc, "rows": [{**row, "published": 0.4, "ours": 0.3, "tolerance": 0.0}]})
+    )
+    (measured / "memory_study.png").write_bytes(b"\x89PNG")
+    (measured / "train_gnn.json").write_text(json.dumps({"output": "data/train_gnn", "wall_s": 12.5}))
+    args = ["--output", "reports", "--inputs", "data/prepare_data", "data/train_gnn", "--measured-inputs"]
+    args += ["measured/memory_study.json", "measured/train_gnn.json", "--measured", "measured/report.json"]
+    first = (
+        report.main(args),
+        (tree / "reports/results.json").read_bytes(),
+        (tree / "reports/results.md").read_bytes(),
+    )
+    got = json.loads((measured / "report.json").read_text())
+    assert [r["result"] for r in got["rows"]] == [row["result"]] and got["rows"][0]["pass"] is False
+    assert got["rows"][0]["stage"] == "memory_study" and set(got["rows"][0]) == set(report.ROW_FIELDS)
+    assert got["stages"] == {
+        "memory_study": {"techniques": {"baseline": {"peak_mb": 512.0}}},
+        "train_gnn": {"wall_s": 12.5},
+    }
+    assert got["plots"] == ["measured/memory_study.png"] and got["output"] == "reports"
+    md = first[2].decode()
+    assert "12.5" not in md and "peak_mb" not in md and "`measured/report.json`" in md and "1 row(s)" in md
+    # Other measurements, the same report: reports/ is a function of the outputs, byte for byte.
+    (measured / "train_gnn.json").write_text(json.dumps({"output": "data/train_gnn", "wall_s": 99.0}))
+    report.main(args)
+    assert (tree / "reports/results.json").read_bytes() == first[1] and (
+        tree / "reports/results.md"
+    ).read_bytes() == first[2]
+    assert json.loads((measured / "report.json").read_text())["stages"]["train_gnn"] == {"wall_s": 99.0}
+    # report.strict counts the measured rows too
+    (tree / "params.yaml").write_text('report:\n  strict: true\n  recorded: ""\n  regression_tolerance: 0.02\n')
+    with pytest.raises(config.UserError, match="full activation checkpointing"):
+        report.main(args)
 
 
 def test_perplexities_regress_against_the_record_of_the_same_params(tree, monkeypatch):

@@ -38,9 +38,11 @@ def test_two_processes_write_the_same_bytes_as_one(by_world_size):
     one, two = (by_world_size[n] / "data/tokenize" for n in (1, 2))
     names = sorted(p.relative_to(one).as_posix() for p in one.rglob("*") if p.is_file())
     assert names == sorted(p.relative_to(two).as_posix() for p in two.rglob("*") if p.is_file())
-    timed = ("metrics.json", "figures.json")
-    differing = [n for n in names if n not in timed and not filecmp.cmp(one / n, two / n, shallow=False)]
+    # every file, figures too: the timings and the chunk counts are measured beside the output
+    differing = [n for n in names if not filecmp.cmp(one / n, two / n, shallow=False)]
     assert not differing, f"differ between world sizes: {differing}"
+    measured = {n: json.loads((by_world_size[n] / "data/tokenize.measured.json").read_text()) for n in (1, 2)}
+    assert measured[2]["tokens_per_s"] > 0 and measured[2]["chunks"] >= 2 and measured[1]["resumed_chunks"] == 0
     assert len(json.loads((one / "meta.json").read_text())["splits"]["train"]["shards"]) > 1
 
 
@@ -137,6 +139,6 @@ def test_a_run_stopped_mid_way_resumes_to_the_same_bytes(by_world_size, tmp_path
     one, again = by_world_size[1] / "data/tokenize", tmp_path / "data/tokenize"
     names = sorted(p.relative_to(one).as_posix() for p in one.rglob("*") if p.is_file())
     assert names == sorted(p.relative_to(again).as_posix() for p in again.rglob("*") if p.is_file())
-    timed = ("metrics.json", "figures.json")
-    assert all(filecmp.cmp(one / n, again / n, shallow=False) for n in names if n not in timed)
+    assert all(filecmp.cmp(one / n, again / n, shallow=False) for n in names), "the same bytes as one run"
+    assert json.loads((tmp_path / "data/tokenize.measured.json").read_text())["resumed_chunks"] == done
     assert not work.exists(), "the published run's work folder is spent"
