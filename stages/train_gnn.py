@@ -34,6 +34,7 @@ Run:
 
 from __future__ import annotations
 
+import json
 import shutil
 import statistics
 import tempfile
@@ -419,17 +420,11 @@ def save_outputs(tmp: Path, cfg: Config, results: list[dict], weights: dict) -> 
     summary = summarize(results, cfg)
     (tmp / "models").mkdir()
     for (kind, seed), (kwargs, state) in weights.items():
-        torch.save(
-            {
-                "model": kind,
-                "kwargs": kwargs,
-                "state_dict": state,
-                "dataset": cfg.dataset,
-                "seed": seed,
-                "config": config.as_dict(cfg),
-            },
-            tmp / "models" / f"{kind}-seed{seed}.pt",
-        )
+        record = {"model": kind, "kwargs": kwargs, "dataset": cfg.dataset, "seed": seed, "config": config.as_dict(cfg)}
+        # Through JSON: fresh objects, so the file's pickle is the same bytes whichever process trained the
+        # model (pickle writes a string shared by two fields once, and a gathered copy is no longer shared).
+        record = json.loads(json.dumps(record))
+        torch.save({**record, "state_dict": state}, tmp / "models" / f"{kind}-seed{seed}.pt")
     atomic.write_json(
         tmp / "seeds.json", [{k: v for k, v in r.items() if k not in ("curves", "train_s")} for r in results]
     )
