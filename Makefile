@@ -45,6 +45,7 @@ PYTEST := python -m pytest -q --dist loadfile --no-loadscope-reorder --durations
 lint: $(STAMP)
 	ruff check .
 	ruff format --check .
+	lint-imports
 
 # Lint and format check first (seconds), then the tests. The tests that read a whole ci pipeline run share
 # one, made by the first that asks and kept for this tree in .cache/ci-run/ (tests/shared_run.py).

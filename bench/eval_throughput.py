@@ -183,6 +183,7 @@ def main() -> None:
         # bf16 beside fp32 on CPUs that compute it natively (on GPUs the stage is in bf16 already)
         bf16 = device.type == "cpu" and dtype == torch.float32 and runtime.cpu_has_native_bf16() and not args.no_bf16
         stage_bf16, rate_bf16 = None, 0.0
+
         def measured_run(extra: list[str]) -> dict:
             """The stage's figures at the context, with the tokens/s it measured (out.measured.json)."""
             m = eval_perplexity.main([*stage_args, *extra])["models"]["bench"][f"ctx{args.context}"]

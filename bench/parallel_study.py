@@ -221,12 +221,12 @@ def child(spec_paths: list[str]) -> None:
     import torch
 
     from stages import pretrain
-    from stages.common import loop, runtime, shards
+    from stages.common import loop, runtime, shards, train_config
 
     rt = runtime.init()
     for spec_path in spec_paths:
         spec = json.loads(Path(spec_path).read_text())
-        cfg = loop.TrainConfig(**spec["train"])
+        cfg = train_config.TrainConfig(**spec["train"])
         peak_is_own = reset_peak_memory() or spec_path == spec_paths[0]
         runtime.seed_everything(cfg.seed)
         inp = Path(spec["input"])

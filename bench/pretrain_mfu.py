@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stages import pretrain  # noqa: E402
-from stages.common import loop, runtime  # noqa: E402
+from stages.common import loop, losses, runtime, train_config  # noqa: E402
 
 DRY = {"hidden": 64, "layers": 2, "heads": 4, "ffn": 160, "vocab": 512, "context": 128, "micro_batch": 4, "steps": 6}
 
@@ -71,25 +71,15 @@ def make_model(args):
     return pretrain.build_model(spec, vocab)
 
 
-def train_cfg(args) -> loop.TrainConfig:
-    return loop.TrainConfig(
+def train_cfg(args) -> train_config.TrainConfig:
+    return train_config.build(
         steps=args.steps,
         batch_size=args.micro_batch,
         micro_batch_size=args.micro_batch,
         lr=3e-4,
         min_lr=3e-5,
-        warmup_steps=2,
-        weight_decay=0.1,
-        beta1=0.9,
-        beta2=0.95,
-        grad_clip=1.0,
-        strategy="ddp",
-        activation_checkpointing="none",
-        eval_every=0,
         eval_batches=0,
-        checkpoint_every=0,
         log_every=10**9,
-        seed=0,
         peak_tflops=args.peak_tflops,
         compile=not args.no_compile,
         precision="auto",
@@ -125,7 +115,7 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def profile_step(model, args, cfg: loop.TrainConfig, device: torch.device, path: Path) -> dict:
+def profile_step(model, args, cfg: train_config.TrainConfig, device: torch.device, path: Path) -> dict:
     """One forward/backward/AdamW step under torch.profiler, with the shapes and the compiled loss of the
     measured steps (no recompilation): top kernels and time by kind."""
     from torch.profiler import ProfilerActivity, profile
@@ -137,7 +127,7 @@ def profile_step(model, args, cfg: loop.TrainConfig, device: torch.device, path:
 
     def step():
         with amp:
-            loss = loop.lm_loss(model, x[:, :-1], x[:, 1:], reduction="sum", compile_mode=cfg.loss_compile_mode)
+            loss = losses.lm_loss(model, x[:, :-1], x[:, 1:], reduction="sum", compile_mode=cfg.loss_compile_mode)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stages.common import loop, runtime, track  # noqa: E402
+from stages.common import loop, runtime, track, train_config  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, FFN, VOCAB, CONTEXT, BATCH = 256, 4, 8, 688, 4096, 256, 8
 
@@ -65,27 +65,16 @@ def make_model(seed: int = 0):
     )
 
 
-def loop_cfg(steps: int, compile_mode: str | None = None, precision: str = "fp32") -> loop.TrainConfig:
-    return loop.TrainConfig(
+def loop_cfg(steps: int, compile_mode: str | None = None, precision: str = "fp32") -> train_config.TrainConfig:
+    return train_config.build(
         steps=steps,
         batch_size=BATCH,
         micro_batch_size=BATCH,
         lr=1e-3,
         min_lr=1e-4,
-        warmup_steps=2,
-        weight_decay=0.1,
-        beta1=0.9,
-        beta2=0.95,
-        grad_clip=1.0,
-        strategy="ddp",
-        activation_checkpointing="none",
-        compile=compile_mode is not None,
-        eval_every=0,
         eval_batches=0,
-        checkpoint_every=0,
         log_every=10**9,
-        seed=0,
-        peak_tflops=1.0,
+        compile=compile_mode is not None,
         compile_mode=compile_mode or "default",
         precision=precision,
     )
@@ -211,7 +200,7 @@ def main() -> None:
         "--compile",
         nargs="*",
         metavar="MODE",
-        choices=loop.COMPILE_MODES,
+        choices=train_config.COMPILE_MODES,
         help="also run the stage with compile: true in these compile modes (none given: default)",
     )
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 runs on CPUs that have bf16 instructions")

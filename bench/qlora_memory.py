@@ -47,7 +47,7 @@ def child(base: str, quantization: str, steps: int, device: str, batch: int, seq
     import torch
 
     from stages import finetune_qlora as ft
-    from stages.common import config, loop
+    from stages.common import config, parallel
 
     torch.manual_seed(0)
     peak = {"anon": 0}
@@ -70,7 +70,7 @@ def child(base: str, quantization: str, steps: int, device: str, batch: int, seq
     model = ft.load_base(cfg, device, quantization == "nf4")
     linear_bytes, _ = ft.linear_weight_memory(model)
     model = ft.add_adapters(model, cfg)
-    loop.enable_activation_checkpointing(model)
+    parallel.enable_activation_checkpointing(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     x = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
     t0 = time.perf_counter()

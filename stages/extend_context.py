@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common import atomic, ckpt, config, loop, runtime, shards, stage, track
+from stages.common import atomic, ckpt, config, loop, runtime, shards, stage, track, train_config
 
 STAGE = "extend_context"
 UNSCALED = "unscaled"
@@ -66,7 +66,7 @@ class Config:
     original_context: int
     variants: dict
     finetune: tuple[str, ...]
-    train: loop.TrainConfig
+    train: train_config.TrainConfig
 
     def __post_init__(self):
         if not self.factor > 1:

@@ -48,7 +48,8 @@ from pathlib import Path
 
 import torch
 
-from stages.common import atomic, ckpt, config, instructions, loop, runtime, stage
+from stages.common import atomic, ckpt, config, instructions, loop, runtime, stage, train_config
+from stages.models import llama
 
 STAGE = "finetune_qlora"
 QUANTIZATIONS = ("nf4", "none")
@@ -85,7 +86,7 @@ class Config:
     template: str
     seq_length: int
     eval_fraction: float
-    train: loop.AdapterTrainConfig
+    train: train_config.AdapterTrainConfig
 
     def __post_init__(self):
         if self.quantization not in QUANTIZATIONS:
@@ -249,7 +250,7 @@ def linear_weight_memory(model) -> tuple[int, int]:
     4-bit layers count their packed weights and per-block constants; the NF4 and 8-bit code tables
     (16 and 256 values per layer, the same in every layer) are left out, as in the QLoRA paper."""
     stored = count = 0
-    for layer in loop.decoder_layers(model):
+    for layer in llama.decoder_layers(model):
         for mod in layer.modules():
             if not isinstance(mod, torch.nn.Linear):  # bitsandbytes' Linear4bit is one too
                 continue

@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from stages import pretrain
-from stages.common import atomic, config, loop, runtime, shards, stage, track
+from stages.common import atomic, config, loop, runtime, shards, stage, track, train_config
 
 STAGE = "memory_study"
 BASELINE = "baseline"
@@ -75,7 +75,7 @@ THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 class Config:
     model: pretrain.ModelConfig
     contexts: tuple[int, ...]
-    train: loop.TrainConfig
+    train: train_config.TrainConfig
     techniques: dict
 
     def __post_init__(self):
@@ -92,12 +92,12 @@ class Config:
             technique_config(self.train, name, overrides)
 
 
-def technique_config(train: loop.TrainConfig, name: str, overrides) -> loop.TrainConfig:
+def technique_config(train: train_config.TrainConfig, name: str, overrides) -> train_config.TrainConfig:
     """The train section with a technique's overrides, checked like the section itself (a ConfigError
     naming memory_study.techniques.<name>.<key>)."""
     if not isinstance(overrides, dict):
         raise ValueError(f"techniques.{name} must be a mapping of train keys, got {overrides!r}")
-    return config.build(loop.TrainConfig, f"{STAGE}.techniques.{name}", {**config.as_dict(train), **overrides})
+    return config.build(train_config.TrainConfig, f"{STAGE}.techniques.{name}", {**config.as_dict(train), **overrides})
 
 
 # ------------------------------------------------------------------------------------------ one run
@@ -113,7 +113,7 @@ def status_mb(key: str) -> float:
 def measure(spec: dict) -> dict:
     """Train one technique at one context in this process and measure it (see the module docstring)."""
     inp, context = Path(spec["input"]), spec["context"]
-    train = loop.TrainConfig(**spec["train"])
+    train = train_config.TrainConfig(**spec["train"])
     cuda = torch.cuda.is_available()
     rt = runtime.Runtime(0, 1, 0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu"))
     if importlib.util.find_spec("bitsandbytes"):

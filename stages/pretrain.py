@@ -30,7 +30,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.common import atomic, ckpt, config, loop, runtime, shards, stage
+from stages.common import atomic, ckpt, config, loop, runtime, shards, stage, train_config
 
 STAGE = "pretrain"
 
@@ -58,7 +58,7 @@ class ModelConfig:
 class Config:
     model: ModelConfig
     context_length: int
-    train: loop.TrainConfig
+    train: train_config.TrainConfig
 
     def __post_init__(self):
         if not 1 <= self.context_length <= self.model.max_position_embeddings:

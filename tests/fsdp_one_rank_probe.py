@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from stages.common import loop, runtime, track
+from stages.common import loop, runtime, track, train_config
 
 
 class OneRankGroup(runtime.Runtime):
@@ -47,25 +47,8 @@ def model():
 
 
 def curve(strategy: str, rt: runtime.Runtime, tokens: np.ndarray) -> list[float]:
-    cfg = loop.TrainConfig(
-        steps=6,
-        batch_size=8,
-        micro_batch_size=4,
-        lr=1e-2,
-        min_lr=1e-3,
-        warmup_steps=1,
-        weight_decay=0.1,
-        beta1=0.9,
-        beta2=0.95,
-        grad_clip=1.0,
-        strategy=strategy,
-        activation_checkpointing="none",
-        eval_every=0,
-        eval_batches=0,
-        checkpoint_every=0,
-        log_every=100,
-        seed=0,
-        peak_tflops=1.0,
+    cfg = train_config.build(
+        steps=6, lr=1e-2, min_lr=1e-3, warmup_steps=1, strategy=strategy, eval_batches=0, log_every=100
     )
     with tempfile.TemporaryDirectory() as tmp:
         out = loop.train(model(), tokens, tokens, cfg, 64, rt, Path(tmp), track.Tracker(None), runtime.StopFlag())

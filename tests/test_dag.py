@@ -4,10 +4,12 @@ Snakemake parses, stage by stage (command without the launcher prefix, deps, par
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -62,6 +64,28 @@ def test_a_new_import_becomes_a_dep_and_a_hand_written_code_dep_is_refused(tmp_p
     table.write_text(text)
     with pytest.raises(dag.TableError, match=r"stage tokenize: deps \['stages/x.py'\]: a stage's code deps come"):
         dag.load_table(table)
+
+
+def test_the_import_contracts_hold_and_a_broken_layer_is_named(tmp_path):
+    """lint-imports (make lint) checks the layers written in pyproject.toml: it passes on the code, and
+    fails naming the contract when the shared code imports a stage."""
+
+    def lint(root):
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        cmd = [str(Path(sys.executable).parent / "lint-imports"), "--no-cache"]
+        return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+
+    for name in ("stages", "pipelines"):
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    kept = lint(tmp_path)
+    assert kept.returncode == 0 and "0 broken" in kept.stdout, kept.stdout + kept.stderr
+    losses = tmp_path / "stages/common/losses.py"
+    losses.write_text(losses.read_text() + "\nfrom stages import pretrain  # noqa: E402, F401\n")
+    broken = lint(tmp_path)
+    assert broken.returncode != 0, broken.stdout
+    assert "the shared code and the models never import a stage BROKEN" in broken.stdout, broken.stdout
+    assert "stages.common.losses -> stages.pretrain" in broken.stdout, broken.stdout
 
 
 def test_the_readme_draws_the_current_graph(tmp_path):

@@ -16,7 +16,7 @@ from conftest import ROOT, TINY_MODEL, loss_curve, run_stage
 
 from stages import finetune_qlora as ft
 from stages import pretrain
-from stages.common import config, instructions, loop, runtime
+from stages.common import config, instructions, loop, losses, runtime, train_config
 
 PRETRAIN = [
     *TINY_MODEL,
@@ -198,9 +198,9 @@ def test_only_response_tokens_carry_loss(base):
     response = tok("Blue.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     n = 1 + len(prompt) + len(response)  # bos + prompt + response + eos
     assert dropped == 0 and x.shape == y.shape == (1, 64)
-    assert (y[0, : len(prompt)] == loop.IGNORE_INDEX).all(), "no loss on bos and prompt targets"
+    assert (y[0, : len(prompt)] == losses.IGNORE_INDEX).all(), "no loss on bos and prompt targets"
     assert y[0, len(prompt) : n - 1].tolist() == response, "loss on every response token and the eos"
-    assert (y[0, n - 1 :] == loop.IGNORE_INDEX).all(), "no loss on padding"
+    assert (y[0, n - 1 :] == losses.IGNORE_INDEX).all(), "no loss on padding"
     assert x[0, 0] == tok.bos_token_id and x[0, 1 : n - 1].tolist() == prompt + response[:-1]
     # The loss is the mean over response targets only: logits at prompt positions do not change it.
     logits = torch.randn(1, 64, len(tok))
@@ -208,13 +208,13 @@ def test_only_response_tokens_carry_loss(base):
     def model(input_ids, use_cache):
         return SimpleNamespace(logits=logits)
 
-    keep = torch.from_numpy(y[0] != loop.IGNORE_INDEX)
+    keep = torch.from_numpy(y[0] != losses.IGNORE_INDEX)
     want = torch.nn.functional.cross_entropy(logits[0, keep], torch.from_numpy(y[0])[keep])
-    loss = loop.lm_loss(model, torch.from_numpy(x), torch.from_numpy(y)).item()
+    loss = losses.lm_loss(model, torch.from_numpy(x), torch.from_numpy(y)).item()
     logits[0, ~keep] += 100 * torch.randn_like(logits[0, ~keep])
     assert (
         loss == pytest.approx(want.item())
-        and loop.lm_loss(model, torch.from_numpy(x), torch.from_numpy(y)).item() == loss
+        and losses.lm_loss(model, torch.from_numpy(x), torch.from_numpy(y)).item() == loss
     )
     # A prompt that fills the sequence leaves no response token: the record is dropped.
     assert instructions.encode([{**rec, "instruction": "word " * 200}], tok, "short", 64)[2] == 1
@@ -276,7 +276,7 @@ def test_step_loss_is_the_mean_over_target_tokens(tmp_path):
         )
     )
     x = torch.randint(0, 50, (2, 16))
-    y = torch.full((2, 16), loop.IGNORE_INDEX)
+    y = torch.full((2, 16), losses.IGNORE_INDEX)
     y[0, -1] = 7  # micro-batch 0: one target
     y[1, 2:] = torch.cat([x[1, 3:], torch.tensor([3])])  # micro-batch 1: 14 targets
 
@@ -285,29 +285,11 @@ def test_step_loss_is_the_mean_over_target_tokens(tmp_path):
             return x[index : index + size], y[index : index + size]
 
     with torch.no_grad():
-        want = loop.lm_loss(model, x, y).item()  # one cross-entropy over all 15 targets
-        mean_of_means = (loop.lm_loss(model, x[:1], y[:1]) + loop.lm_loss(model, x[1:], y[1:])).item() / 2
+        want = losses.lm_loss(model, x, y).item()  # one cross-entropy over all 15 targets
+        mean_of_means = (losses.lm_loss(model, x[:1], y[:1]) + losses.lm_loss(model, x[1:], y[1:])).item() / 2
     assert abs(want - mean_of_means) > 1e-3, "the two micro-batches must disagree for this test to mean anything"
-    cfg = loop.TrainConfig(
-        steps=1,
-        batch_size=2,
-        micro_batch_size=1,
-        lr=1e-3,
-        min_lr=0.0,
-        warmup_steps=0,
-        weight_decay=0.0,
-        beta1=0.9,
-        beta2=0.95,
-        grad_clip=1.0,
-        strategy="ddp",
-        activation_checkpointing="none",
-        compile=False,
-        eval_every=0,
-        eval_batches=1,
-        checkpoint_every=0,
-        log_every=1,
-        seed=0,
-        peak_tflops=1.0,
+    cfg = train_config.build(
+        steps=1, batch_size=2, micro_batch_size=1, lr=1e-3, min_lr=0.0, warmup_steps=0, weight_decay=0.0, eval_batches=1
     )
     rt = runtime.Runtime(0, 1, 0, 1, torch.device("cpu"))
     tracker = SimpleNamespace(log_metrics=lambda *a, **k: None)
@@ -360,7 +342,7 @@ def test_gradients_after_a_no_grad_eval_equal_the_dequantized_reference(tmp_path
         n for n, m in model.named_modules() if getattr(getattr(m, "quant_state", None), "packing_format_for_cpu", False)
     ]
     assert not packed, f"the eval pass repacked {packed[:2]} for bitsandbytes' CPU inference kernel"
-    loop.lm_loss(model, x, y).backward()
+    losses.lm_loss(model, x, y).backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
     reference = ft.add_adapters(ft.load_base(cfg, cpu, quantized=True).dequantize(dtype=torch.float32), cfg)
@@ -368,7 +350,7 @@ def test_gradients_after_a_no_grad_eval_equal_the_dequantized_reference(tmp_path
     adapters = {n: p for n, p in model.state_dict().items() if "lora_" in n}
     assert reference.load_state_dict(adapters, strict=False).unexpected_keys == []
     reference.train()
-    loop.lm_loss(reference, x, y).backward()
+    losses.lm_loss(reference, x, y).backward()
     want = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
     assert grads.keys() == want.keys() and len(grads) == 2 * 7 * 2  # A and B, 7 linear layers, 2 layers
     assert all(g is not None and g.abs().sum() > 0 for g in grads.values())

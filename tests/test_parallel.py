@@ -16,6 +16,7 @@ from test_pretrain import TINY, logits, run
 
 from stages import pretrain
 from stages.common import config
+from stages.models import llama
 
 # Equal to one process up to float32 summation order (the row-wise layers' all-reduce adds partial sums).
 RTOL = 1e-4
@@ -121,19 +122,19 @@ def test_bad_layouts_fail_before_training(tokenized, monkeypatch, override, mess
 def test_layout_checks_name_what_does_not_divide():
     from types import SimpleNamespace
 
-    from stages.common import loop, pipeline
+    from stages.common import pipeline
 
     sizes = {"intermediate_size": 128, "vocab_size": 512, "tie_word_embeddings": False}
     c = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, **sizes)
-    assert loop.tensor_parallel_problem(c, 2) is None
-    assert "2 key/value heads are not divisible by tensor_parallel 4" in loop.tensor_parallel_problem(c, 4)
+    assert llama.tensor_parallel_problem(c, 2) is None
+    assert "2 key/value heads are not divisible by tensor_parallel 4" in llama.tensor_parallel_problem(c, 4)
     c = SimpleNamespace(num_attention_heads=6, num_key_value_heads=3, **sizes)
-    assert "128 MLP width (intermediate_size) are not divisible" in loop.tensor_parallel_problem(c, 3)
+    assert "128 MLP width (intermediate_size) are not divisible" in llama.tensor_parallel_problem(c, 3)
     c = SimpleNamespace(num_attention_heads=4, num_key_value_heads=4, **{**sizes, "vocab_size": 510})
     assert "510 vocabulary entries (vocab_size) are not divisible by tensor_parallel 4" in (
-        loop.tensor_parallel_problem(c, 4)
+        llama.tensor_parallel_problem(c, 4)
     )
-    assert loop.tensor_parallel_problem(SimpleNamespace(**vars(c) | {"tie_word_embeddings": True}), 4) is None
+    assert llama.tensor_parallel_problem(SimpleNamespace(**vars(c) | {"tie_word_embeddings": True}), 4) is None
     assert pipeline.layout_problem(4, 2, 2) is None
     assert "3 decoder layers are not divisible by pipeline_parallel 2" in pipeline.layout_problem(3, 2, 2)
     assert "1 micro-batches per pipeline" in pipeline.layout_problem(4, 2, 1)

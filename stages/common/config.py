@@ -7,7 +7,7 @@ stop with one message naming the key and what to change, e.g.
     params.yaml: tokenize.vocab_size must be an int, got 'big'
 
 A field typed by another dataclass is a sub-section, e.g. the `train` section of every training stage
-(loop.TrainConfig); its keys are dotted paths: `pretrain.train.lr`. `key=value` overrides from the
+(train_config.TrainConfig); its keys are dotted paths: `pretrain.train.lr`. `key=value` overrides from the
 command line (`train.lr=3e-4`) are parsed as YAML values and checked the same way.
 """
 

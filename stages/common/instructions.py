@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from stages.common import config
-from stages.common.loop import IGNORE_INDEX
+from stages.common.losses import IGNORE_INDEX
 
 TEMPLATES = {  # the Stanford Alpaca prompts
     "alpaca": (

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from stages.common import runtime
+from stages.common import mesh, runtime
+from stages.common.losses import cross_entropy, vocab_parallel_loss
+from stages.common.parallel import shard
+from stages.common.train_config import REDUCE_DTYPES
+from stages.models import llama
 
-SCHEDULES = ("gpipe", "1f1b")
 # Marks a model that is one pipeline stage's part of the whole (see full_state_dict).
 PART = "pipeline_part"
 # Marks the process that sends its stage's part to rank 0 when the model is published.
@@ -95,8 +98,6 @@ class Pipeline:
     def __init__(self, model, cfg, micro_batches: int, rt: runtime.Runtime):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        from stages.common import mesh
-
         stages = cfg.pipeline_parallel
         # (a mesh when a stage runs on several processes: data-parallel copies, tensor-parallel ranks)
         procs = mesh.device_mesh(cfg, rt) if rt.world_size > stages else None
@@ -107,9 +108,7 @@ class Pipeline:
         self.model = model.to(rt.device)  # (this stage's part only)
         self.cfg = cfg
         if cfg.tensor_parallel > 1:  # (3D: each stage's layers split like a whole model's)
-            from stages.common import loop
-
-            loop.tensor_parallelize(model, procs["tp"])
+            llama.tensor_parallelize(model, procs["tp"])
         self.scale = 1.0
         self.device = rt.device
         module = StageModule(model, self.first, self.last)
@@ -131,16 +130,12 @@ class Pipeline:
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
-        from stages.common.loop import cross_entropy
-
         loss = cross_entropy(logits, y, reduction="sum")  # (vocabulary-sharded logits: under loss_parallel)
         return (loss.full_tensor() if isinstance(loss, DTensor) else loss) * self.scale
 
     def run(self, x: torch.Tensor, y: torch.Tensor, scale: float, train: bool = True) -> torch.Tensor:
         """Run a batch (its rows: the micro-batches in order) through the pipeline; the summed loss times
         `scale` on the last stage, zero elsewhere. `train`: forward and backward (gradients accumulate)."""
-        from stages.common.loop import vocab_parallel_loss
-
         self.scale = scale
         losses = []
         args = (x,) if self.first else ()
@@ -160,9 +155,7 @@ def shard_stage(module: StageModule, cfg, rt: runtime.Runtime, procs) -> StageMo
     """A stage's module under FSDP2 over its replicas (the processes that run the same stage on other
     batches): per decoder layer and over the stage. The schedule syncs gradients after the step's last
     backward only (pipelining drives FSDP2's gradient sync)."""
-    from stages.common import loop, mesh
-
-    loop.shard(module.lm, cfg, rt, mesh.data_mesh(cfg, procs), loop.REDUCE_DTYPES[cfg.reduce_dtype], root=module)
+    shard(module.lm, cfg, rt, mesh.data_mesh(cfg, procs), REDUCE_DTYPES[cfg.reduce_dtype], root=module)
     return module
 
 

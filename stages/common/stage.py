@@ -37,7 +37,7 @@ from stages.common import atomic, ckpt, config, provenance, registry, runtime, t
 
 STOPPED_EXIT_CODE = 143
 if TYPE_CHECKING:  # (the training stack is the training stages' own import)
-    from stages.common.loop import TrainConfig
+    from stages.common.train_config import TrainConfig
 
 Stopped = runtime.Stopped
 

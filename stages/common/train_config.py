@@ -1,0 +1,238 @@
+"""The `train` section of every training stage: TrainConfig (what the loop is told), its choices and
+checks, and the arithmetic of its batch over the data-parallel processes.
+
+Its values are checked when the section is loaded (`__post_init__`: a bad key is one clear error before
+any compute) and against the processes and device once they are known (`check_layout`, called by
+stage.launch and by the launcher's layout check). Tests and benches build one with `build(**keys)`: the
+small run's values in RUN_DEFAULTS with `keys` over them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from stages.common import ckpt, config, mesh, runtime
+
+# The pipeline schedules: GPipe (all forwards, then all backwards) and 1F1B (one forward, one backward).
+SCHEDULES = ("gpipe", "1f1b")
+STRATEGIES = ("ddp", "fsdp")
+
+
+# AdamW in fp32, or bitsandbytes' 8-bit AdamW (block-wise quantized moments: 2 bytes per parameter
+# instead of 8), optionally in paged memory that can spill to the host under GPU memory pressure.
+OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit")
+
+
+# none; full: every decoder layer recomputes its activations in the backward pass; selective: every
+# activation_checkpointing_every-th layer does (memory and speed between none and full).
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+# torch.compile modes; the max-autotune ones also tune the matrix multiplies (Triton on GPUs) and
+# compile longer.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+# The dtype gradients are averaged over processes in: FSDP2's reduce-scatter (MixedPrecisionPolicy
+# reduce_dtype), DDP's all-reduce (a compression hook), the all-reduce of replicated adapters. fp32 sums
+# exactly as the one-process run does; bf16 and fp16 halve the bytes sent.
+LAYOUT_KEYS = ckpt.LAYOUT_KEYS
+
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The `train` section of every training stage (pretrain, extend_context, finetune_qlora)."""
+
+    # Whether the stage trains adapters on a frozen base. Under FSDP the frozen base is sharded and the
+    # few trainable parameters stay whole on every rank (see wrap), so any optimizer can step them.
+    FROZEN_BASE: ClassVar[bool] = False
+
+    steps: int
+    batch_size: int
+    micro_batch_size: int
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    weight_decay: float
+    beta1: float
+    beta2: float
+    grad_clip: float
+    strategy: str
+    activation_checkpointing: str
+    eval_every: int
+    eval_batches: int
+    checkpoint_every: int
+    log_every: int
+    seed: int
+    peak_tflops: float
+    compile: bool = False
+    compile_mode: str = "default"
+    precision: str = "auto"
+    optimizer: str = "adamw"
+    activation_checkpointing_every: int = 2
+    offload: bool = False
+    reduce_dtype: str = "fp32"
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
+    data_parallel_replicate: int = 1
+    """strategy fsdp: the data-parallel processes form this many replicas, each sharding the model over
+    the rest (HSDP: gradients reduce-scattered within a replica, then all-reduced across replicas)."""
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy: unknown strategy {self.strategy!r}; valid: {', '.join(STRATEGIES)}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(
+                f"compile_mode: unknown torch.compile mode {self.compile_mode!r}; valid: {', '.join(COMPILE_MODES)}"
+            )
+        runtime.check_precision(self.precision)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer: unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+        if self.optimizer != "adamw" and importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError(f"optimizer: {self.optimizer} needs bitsandbytes (pip install bitsandbytes) or use adamw")
+        if self.optimizer != "adamw" and self.strategy == "fsdp" and not self.FROZEN_BASE:
+            raise ValueError(
+                f"optimizer: {self.optimizer} keeps its states per whole parameter and cannot step FSDP's "
+                f"sharded ones; use strategy ddp or optimizer adamw"
+            )
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype: unknown dtype {self.reduce_dtype!r}; valid: {', '.join(REDUCE_DTYPES)}")
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(
+                f"activation_checkpointing: unknown policy {self.activation_checkpointing!r}; valid: "
+                f"{', '.join(ACTIVATION_CHECKPOINTING)}"
+            )
+        if self.offload and self.strategy != "fsdp":
+            raise ValueError("offload: FSDP2's CPU offload shards parameters to the host; set strategy fsdp")
+        if self.pipeline_schedule not in SCHEDULES:
+            valid = ", ".join(SCHEDULES)
+            raise ValueError(f"pipeline_schedule: unknown schedule {self.pipeline_schedule!r}; valid: {valid}")
+        for key in ("tensor_parallel", "pipeline_parallel"):
+            degree = getattr(self, key)
+            if degree > 1 and self.FROZEN_BASE:
+                raise ValueError(f"{key}: adapters on a frozen base train under ddp or fsdp; set it 1")
+            unsupported = {"offload": self.offload, "compile": self.compile}  # (name: set)
+            # bitsandbytes steps whole tensors, not DTensor shards; and its state loads only grouped as saved,
+            # which pipeline stages (each with other parameters) cannot share in one checkpoint
+            unsupported["optimizer"] = self.optimizer != "adamw"
+            # fp16's gradient scaler: not wired into the pipeline schedule, and its unscaling kernel takes
+            # no mix of DTensor and plain gradients (tensor parallel)
+            unsupported["precision"] = self.precision == "fp16"
+            for name, on in unsupported.items():
+                if degree > 1 and on:
+                    raise ValueError(
+                        f"{key}: {degree} is not supported with {name} {getattr(self, name)}; change {name} or "
+                        f"set {key} 1"
+                    )
+        if self.data_parallel_replicate > 1 and self.strategy != "fsdp":
+            raise ValueError(
+                "data_parallel_replicate: replicas of FSDP2's shards (HSDP) need strategy fsdp; ddp replicates the "
+                "model on every data-parallel process already: set it 1"
+            )
+        keys = ("steps", "batch_size", "micro_batch_size", "log_every", "activation_checkpointing_every")
+        for key in (*keys, "tensor_parallel", "pipeline_parallel", "data_parallel_replicate"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be between 0 and lr ({self.lr}), got {self.min_lr}")
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        return runtime.compute_dtype(device, self.precision)
+
+    @property
+    def loss_compile_mode(self) -> str | None:
+        """The mode lm_loss compiles the loss in; None without compile."""
+        return self.compile_mode if self.compile else None
+
+    def check_layout(self, where: str, rt: runtime.Runtime) -> None:
+        """What a train section (at the dotted path `where`, e.g. preself.train) can only be checked against
+        once the processes and the device are known; before any compute."""
+        tp, pp = self.tensor_parallel, self.pipeline_parallel
+        problem = mesh.layout_problem(rt.world_size, tp, pp, self.data_parallel_replicate, self.strategy)
+        if problem:
+            raise config.UserError(f"params.yaml: {where}.{problem}")
+        try:
+            grad_accum_steps(self, rt.world_size // (tp * pp))
+        except ValueError as e:
+            layout = (
+                " (processes here: the data-parallel ones, processes / (tensor x pipeline degree))"
+                if tp * pp > 1
+                else ""
+            )
+            raise config.UserError(f"params.yaml: {where}.{e}{layout}") from None
+        if self.offload and not rt.distributed:
+            raise config.UserError(
+                f"params.yaml: {where}.offload: FSDP2's CPU offload shards over the processes of a torchrun run; "
+                f"this one has a single process: run it with torchrun --nproc-per-node 2 or more, or set it false"
+            )
+        if self.offload and rt.device.type != "cuda":
+            raise config.UserError(
+                f"params.yaml: {where}.offload: FSDP2's CPU offload moves parameters, gradients and optimizer "
+                f"states from GPU memory to the host; this run is on {rt.device.type}, where they are there already: "
+                f"set it false"
+            )
+
+
+@dataclass(frozen=True)
+class AdapterTrainConfig(TrainConfig):
+    """The `train` section of a stage that trains adapters on a frozen base (finetune_qlora)."""
+
+    FROZEN_BASE: ClassVar[bool] = True
+
+
+def data_parallel(cfg: TrainConfig, rt: runtime.Runtime) -> tuple[int, int]:
+    """(rank, size) of this process among the data-parallel ones. The processes of a tensor-parallel group
+    (consecutive ranks), or of a pipeline, hold one model replica between them and read the same batches
+    (mesh order: pipeline, data, tensor)."""
+    size = rt.world_size // (cfg.tensor_parallel * cfg.pipeline_parallel)
+    return rt.rank // cfg.tensor_parallel % size, size
+
+
+def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
+    """Micro-batches per optimizer step with `world_size` data-parallel processes."""
+    per_step = cfg.micro_batch_size * world_size
+    if cfg.batch_size % per_step:
+        raise ValueError(
+            f"batch_size ({cfg.batch_size}) must be a multiple of micro_batch_size x processes "
+            f"({cfg.micro_batch_size} x {world_size}); change batch_size or micro_batch_size"
+        )
+    return cfg.batch_size // per_step
+
+
+# A small valid run (the tests' and benches' starting point): build(**keys) sets what they vary.
+RUN_DEFAULTS = {
+    "steps": 8,
+    "batch_size": 8,
+    "micro_batch_size": 4,
+    "lr": 3e-3,
+    "min_lr": 3e-4,
+    "warmup_steps": 2,
+    "weight_decay": 0.1,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "grad_clip": 1.0,
+    "strategy": "ddp",
+    "activation_checkpointing": "none",
+    "eval_every": 0,
+    "eval_batches": 2,
+    "checkpoint_every": 0,
+    "log_every": 1,
+    "seed": 0,
+    "peak_tflops": 1.0,
+}
+
+
+def build(cls: type[TrainConfig] | None = None, **keys) -> TrainConfig:
+    """A TrainConfig (or `cls`, e.g. AdapterTrainConfig) of RUN_DEFAULTS with `keys` over them."""
+    return (cls or TrainConfig)(**{**RUN_DEFAULTS, **keys})
