@@ -1,16 +1,18 @@
-"""The one training loop of the codebase: pretrain, extend_context and finetune_qlora call `train()`.
+"""The one training loop of the codebase: pretrain, extend_context and finetune_qlora call `fit()`.
 
-It owns what every causal-LM training run needs: data parallelism (DDP, or FSDP2 `fully_shard` per
-decoder layer then the root), AdamW with weight-decay groups, linear warmup + cosine decay, gradient
-accumulation and clipping, periodic validation, tokens/s and MFU, checkpoints (stages.common.ckpt)
-every N steps and on a stop signal, and exact resume from the newest intact one. Its settings are the
-`train` section of each training stage's params (TrainConfig).
+`train()` runs a train section (stages.common.train_config): it lays the model out over the processes
+(a pipeline stage's part, stages.common.pipeline, or the model wrapped by stages.common.parallel:
+DDP, FSDP2, HSDP, tensor parallel), builds the optimizer and fp16's scaler (stages.common.optim),
+resumes from the newest intact checkpoint (stages.common.ckpt), then runs the steps: gradient
+accumulation over micro-batches, the loss (stages.common.losses), clipping, periodic validation
+(`evaluate`), tokens/s and MFU, and a checkpoint every N steps and on a stop signal. `fit()` adds the
+stop protocol; `full_state_dict` and `write_curves` are what a stage publishes from it.
 
 Batches are a pure function of (seed, step): each step draws `batch_size` windows from the token
-stream with a generator seeded by both, and rank r takes its slice. So the data position is the step,
-and the losses do not depend on the number of processes or on where a run was resumed. Other data
-(instruction records) comes as a batch source with the same `batch(step, index, size)` method; its
-targets may hold IGNORE_INDEX where no loss is taken (prompt tokens, padding).
+stream with a generator seeded by both (`Windows`), and rank r takes its slice. So the data position
+is the step, and the losses do not depend on the number of processes or on where a run was resumed.
+Other data (instruction records) comes as a batch source with the same `batch(step, index, size)`
+method; its targets may hold IGNORE_INDEX where no loss is taken (prompt tokens, padding).
 
 A model whose base is frozen (LoRA adapters on a quantized base) trains only its trainable
 parameters, and its checkpoints hold only those (the frozen base is reloaded from its source).
