@@ -20,29 +20,20 @@ from stages.common import ckpt, config, mesh, runtime
 # The pipeline schedules: GPipe (all forwards, then all backwards) and 1F1B (one forward, one backward).
 SCHEDULES = ("gpipe", "1f1b")
 STRATEGIES = ("ddp", "fsdp")
-
-
 # AdamW in fp32, or bitsandbytes' 8-bit AdamW (block-wise quantized moments: 2 bytes per parameter
 # instead of 8), optionally in paged memory that can spill to the host under GPU memory pressure.
 OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit")
-
-
 # none; full: every decoder layer recomputes its activations in the backward pass; selective: every
 # activation_checkpointing_every-th layer does (memory and speed between none and full).
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
-
-
 # torch.compile modes; the max-autotune ones also tune the matrix multiplies (Triton on GPUs) and
 # compile longer.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
+# The keys of a run's layout over its processes: a checkpoint resumes under other values of them.
+LAYOUT_KEYS = ckpt.LAYOUT_KEYS
 # The dtype gradients are averaged over processes in: FSDP2's reduce-scatter (MixedPrecisionPolicy
 # reduce_dtype), DDP's all-reduce (a compression hook), the all-reduce of replicated adapters. fp32 sums
 # exactly as the one-process run does; bf16 and fp16 halve the bytes sent.
-LAYOUT_KEYS = ckpt.LAYOUT_KEYS
-
-
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
