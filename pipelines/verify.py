@@ -135,10 +135,13 @@ def check_status(root: Path, lock: dict, r: Report) -> None:
             if isinstance(item, dict):
                 changed |= item.get("changed outs") or {}
         if path in changed:
+            # (what a stage measured is not in DVC's cache but committed to git beside dvc.lock)
+            restore = "git checkout" if path.startswith(f"{MEASURED_DIR}/") else "dvc checkout"
+            again = "measures" if path.startswith(f"{MEASURED_DIR}/") else "makes"
             r.bad(
                 "outs",
                 f"{path} is {changed[path]} against dvc.lock (md5 {md5})",
-                f"dvc checkout {path} restores the recorded out; dvc repro {stage} makes it again",
+                f"{restore} {path} restores the recorded out; dvc repro {stage} {again} it again",
             )
         else:
             r.ok("outs", f"{path} {md5}")
