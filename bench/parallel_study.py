@@ -85,26 +85,15 @@ MIB = 2**20
 
 
 def train_section(steps: int, micro_batch_size: int, keys: dict) -> dict:
+    from stages.common import train_config
+
+    changed = {"lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 1, "eval_batches": 0, "precision": "fp32"}
     return {
+        **train_config.RUN_DEFAULTS,
         "steps": steps,
         "batch_size": BATCH,
         "micro_batch_size": micro_batch_size,
-        "lr": 3e-4,
-        "min_lr": 3e-5,
-        "warmup_steps": 1,
-        "weight_decay": 0.1,
-        "beta1": 0.9,
-        "beta2": 0.95,
-        "grad_clip": 1.0,
-        "strategy": "ddp",
-        "activation_checkpointing": "none",
-        "eval_every": 0,
-        "eval_batches": 0,
-        "checkpoint_every": 0,
-        "log_every": 1,
-        "seed": 0,
-        "peak_tflops": 1.0,
-        "precision": "fp32",
+        **changed,
         **keys,
     }
 
