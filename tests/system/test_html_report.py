@@ -61,11 +61,18 @@ def test_html_report_of_a_pipeline_run(tmp_path_factory, mirror):
             expected["ours"], rel=1e-3
         )
         assert row[header.index("pass")] == ("PASS" if expected["pass"] else "FAIL")
-    assert len(page.tables) == 1 + len(results["stage_metrics"])
+    # then what the stages measured (measured/report.json): its rows, then each stage's figures
+    measured = json.loads((run / results["measured"]).read_text())
+    assert measured["rows"] and measured["stages"]
+    assert len(page.tables) == 1 + len(results["stage_metrics"]) + 1 + len(measured["stages"])
     pretrain = page.tables[1 + list(results["stage_metrics"]).index("pretrain")]
-    assert dict(pretrain[1:])["final_val_loss"]
+    assert dict(pretrain[1:])["final_val_loss"] and "tokens_per_s" not in dict(pretrain[1:])
+    header, *rows = page.tables[1 + len(results["stage_metrics"])]
+    assert header == measured["row_fields"] and [r[0] for r in rows] == [r["result"] for r in measured["rows"]]
+    speed = page.tables[2 + len(results["stage_metrics"]) + list(measured["stages"]).index("pretrain")]
+    assert float(dict(speed[1:])["tokens_per_s"]) > 0
 
-    pngs = [p for p in results["plots"] if p.endswith(".png")]
+    pngs = [p for p in results["plots"] + measured["plots"] if p.endswith(".png")]
     assert len(page.images) == len(pngs) >= 3
     for src, plot in zip(page.images, pngs, strict=True):
         data = re.fullmatch(r"data:image/png;base64,(.+)", src).group(1)
