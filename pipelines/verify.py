@@ -75,17 +75,10 @@ def check_report(root: Path, r: Report) -> None:
         source = read_json(folder / "figures.json") or read_json(folder / "metrics.json")
         if source != shown:
             r.bad("report", f"the figures of {label} in reports/results.json differ from data/{label}'s", mend)
-    rows = 0
+    rows = len(doc.get("rows", ()))
     for row in doc.get("rows", ()):
-        rows += 1
-        source = {x["result"]: x for x in read_json(root / "data" / row["stage"] / "results.json") or []}
-        if row["result"] not in source or source[row["result"]]["ours"] != row["ours"]:
-            got = source.get(row["result"], {}).get("ours", "no such row")
-            r.bad(
-                "report",
-                f"row '{row['result']}' shows {row['ours']}, data/{row['stage']}/results.json has {got}",
-                mend,
-            )
+        source_name = f"data/{row['stage']}/results.json"
+        check_row(row, read_json(root / source_name) or [], "", source_name, mend, r)
     for row in (doc.get("regression") or {}).get("rows", ()):
         rows += 1
         model, ctx = row["result"].removeprefix("token perplexity, ").rsplit(" at ", 1)
@@ -110,17 +103,20 @@ def check_measured_rows(root: Path, name: str, r: Report) -> int:
     if doc is None:
         r.bad("report", f"{name} is missing or unreadable", "dvc repro report (or snakemake report)")
         return 0
+    mend = "dvc repro report (or snakemake report) re-reads the measured files"
     for row in doc.get("rows", ()):
         source_name = f"{MEASURED_DIR}/{row['stage']}.json"
-        source = {x["result"]: x for x in (read_json(root / source_name) or {}).get("rows", ())}
-        if row["result"] not in source or source[row["result"]]["ours"] != row["ours"]:
-            got = source.get(row["result"], {}).get("ours", "no such row")
-            r.bad(
-                "report",
-                f"row '{row['result']}' of {name} shows {row['ours']}, {source_name} has {got}",
-                "dvc repro report (or snakemake report) re-reads the measured files",
-            )
+        source = (read_json(root / source_name) or {}).get("rows", ())
+        check_row(row, source, f" of {name}", source_name, mend, r)
     return len(doc.get("rows", ()))
+
+
+def check_row(row: dict, source: list, where: str, source_name: str, mend: str, r: Report) -> None:
+    """A report row (`where`: in which file, when not results.json) against the rows it was read from."""
+    found = {x["result"]: x for x in source}
+    if row["result"] not in found or found[row["result"]]["ours"] != row["ours"]:
+        got = found.get(row["result"], {}).get("ours", "no such row")
+        r.bad("report", f"row '{row['result']}'{where} shows {row['ours']}, {source_name} has {got}", mend)
 
 
 def check_status(root: Path, lock: dict, r: Report) -> None:
