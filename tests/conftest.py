@@ -23,6 +23,7 @@ ORDER = [
     "tests/test_parallel.py",
     "tests/test_pretrain.py",
     "tests/test_e2e_records.py",
+    "tests/test_e2e_reproduce.py",
     "tests/test_e2e_experiments.py",
     "tests/system/test_browser.py",
     "tests/test_extend_context.py",
@@ -55,9 +56,16 @@ TINY_MODEL = [
 ]
 
 
+# Stage runs of the tests log nothing to MLflow (PIPELINE_TRACKING=off: outputs are unchanged, and the
+# import of MLflow and the opening of its store are a third of a tiny stage's CPU); a test that reads
+# what a stage logged passes **TRACKED.
+TRACKED = {"PIPELINE_TRACKING": "on"}
+
+
 def stage_env(workdir: Path, **extra) -> dict:
     env = {
         **os.environ,
+        "PIPELINE_TRACKING": "off",
         # the repository first, then what the caller had (packages installed beside the environment)
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])),
         "PIPELINE_DATA_MIRROR": str(MIRROR),
@@ -172,7 +180,9 @@ def tokenized(prepared, tmp_path_factory) -> Path:
     def make(root: Path) -> None:
         shutil.copy(prepared / "params.yaml", root / "params.yaml")
         shutil.copytree(prepared / "data/prepare_data", root / "data/prepare_data")
-        run_stage("tokenize", ["--input", "data/prepare_data", "--output", "data/tokenize"], cwd=root)
+        # Tracked: this makes the folder's MLflow store before the tests that train in it in-process, in
+        # several workers at once, share it (MLflow's first opening of a store is not safe from two at once).
+        run_stage("tokenize", ["--input", "data/prepare_data", "--output", "data/tokenize"], cwd=root, **TRACKED)
 
     return made_once(tmp_path_factory, "tokenized", make)
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, stage_env
+from conftest import ROOT, TRACKED, stage_env
 
 from stages.common import config, track
 
@@ -17,7 +17,7 @@ from stages.common import config, track
 @pytest.mark.timeout(1200)
 def test_gpu_check_dry_runs_every_step_and_writes_its_figures(tmp_path, mirror):
     out = tmp_path / "out"
-    env = {**stage_env(tmp_path), "PYTHON": sys.executable, "PIPELINE_TRACKING": "on"}
+    env = {**stage_env(tmp_path, **TRACKED), "PYTHON": sys.executable}
     env.pop("PYTHONPATH")
     proc = subprocess.run(
         ["bash", str(ROOT / "bench/gpu_check.sh"), "--dry", str(out)],

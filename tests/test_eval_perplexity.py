@@ -16,7 +16,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import ci_params, run_stage
+from conftest import TRACKED, ci_params, run_stage
 
 from stages import eval_perplexity, tokenize
 from stages.common import config, runtime, shards
@@ -252,7 +252,7 @@ def test_overlapping_windows_beyond_the_model_context_match_reference(shard_run,
 
 
 def test_two_processes_give_the_numbers_of_one(shard_run, assets):
-    run_stage("eval_perplexity", [*SHARD_RUN[:5], "out/shards2", *SHARD_RUN[6:]], cwd=assets, nproc=2)
+    run_stage("eval_perplexity", [*SHARD_RUN[:5], "out/shards2", *SHARD_RUN[6:]], cwd=assets, nproc=2, **TRACKED)
     two = json.loads((assets / "out/shards2/figures.json").read_text())
     for context in ("ctx48", "ctx96"):
         one_m, two_m = shard_run["models"]["tiny"][context], two["models"]["tiny"][context]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import loss_curve, stage_env
+from conftest import TRACKED, loss_curve, stage_env
 from test_pretrain import TINY, run
 
 from stages.common import ckpt
@@ -116,7 +116,7 @@ def test_each_node_logs_its_system_metrics_into_the_stages_one_run(tokenized):
     import mlflow
 
     uri = f"sqlite:///{tokenized / 'nodes-metrics.db'}"
-    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5"}
+    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5", **TRACKED}
     port, ckpts = free_port(), tokenized / "ckpts-nodes-metrics"
     agents = []
     for i in range(2):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MODEL, run_stage
+from conftest import TINY_MODEL, TRACKED, run_stage
 
 from stages import eval_perplexity, report
 from stages.common import config, registry
@@ -24,7 +24,7 @@ def registered(tokenized, tmp_path_factory) -> Path:
     shutil.copy(tokenized / "params.yaml", root / "params.yaml")
     shutil.copytree(tokenized / "data/tokenize", root / "data/tokenize")
     args = ["--input", "data/tokenize", "--output", "data/pretrain", *TINY_MODEL, *STEPS, "train.eval_every=0"]
-    run_stage("pretrain", args, cwd=root, nproc=2)
+    run_stage("pretrain", args, cwd=root, nproc=2, **TRACKED)
     return root
 
 
@@ -101,8 +101,12 @@ def test_report_marks_the_version_whose_rows_pass_and_eval_reads_it(in_registry)
 
 
 def test_an_unknown_registered_model_is_one_clear_error(in_registry):
-    proc = run_stage("eval_perplexity", ["--models", "models:/nope@reproduced", *EVAL], cwd=in_registry, check=False)
+    proc = run_stage(
+        "eval_perplexity", ["--models", "models:/nope@reproduced", *EVAL], cwd=in_registry, check=False, **TRACKED
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "models:/nope@reproduced" in proc.stderr and "registered models: pretrain" in proc.stderr
-    proc = run_stage("eval_perplexity", ["--models", "models:/pretrain", *EVAL], cwd=in_registry, check=False)
+    proc = run_stage(
+        "eval_perplexity", ["--models", "models:/pretrain", *EVAL], cwd=in_registry, check=False, **TRACKED
+    )
     assert proc.returncode == 2 and "models:/<name>@<alias> or models:/<name>/<version>" in proc.stderr

@@ -221,10 +221,10 @@ def test_a_stage_failing_before_its_run_opens_marks_its_pipeline_failed(tmp_path
     """Bad input stops a stage before it opens an MLflow run; its launcher marks the pipeline's parent
     run FAILED (creating it: no stage of the invocation had opened one) and names the stage once."""
     import mlflow
-    from conftest import stage_env
+    from conftest import TRACKED, stage_env
 
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
-    env = {**stage_env(tmp_path, PIPELINE_NPROC_PER_NODE="1"), "PIPELINE_RUN_ID": "inv-fail"}
+    env = {**stage_env(tmp_path, PIPELINE_NPROC_PER_NODE="1", **TRACKED), "PIPELINE_RUN_ID": "inv-fail"}
     args = ["--input", "data/missing", "--output", "data/pretrain"]
     for _ in range(2):
         proc = subprocess.run(

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import run_stage, stage_env
+from conftest import TRACKED, run_stage, stage_env
 
 from stages.common import shards
 
@@ -29,7 +29,7 @@ def by_world_size(prepared, tmp_path_factory):
         root = tmp_path_factory.mktemp(f"tok{nproc}")
         shutil.copy(prepared / "params.yaml", root / "params.yaml")
         shutil.copytree(prepared / "data/prepare_data", root / "data/prepare_data")
-        run_stage("tokenize", [*ARGS, "data/tokenize"], cwd=root, nproc=nproc)
+        run_stage("tokenize", [*ARGS, "data/tokenize"], cwd=root, nproc=nproc, **TRACKED)
         runs[nproc] = root
     return runs
 

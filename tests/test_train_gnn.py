@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import MIRROR, ROOT, run_probe, run_stage
+from conftest import MIRROR, ROOT, TRACKED, run_probe, run_stage
 
 from stages import train_gnn
 from stages.common import config
@@ -32,7 +32,7 @@ def trained(prepared, tmp_path_factory):
     runs = {}
     for nproc in (1, 2):
         root = scratch(prepared, tmp_path_factory.mktemp(f"gnn{nproc}"))
-        run_stage("train_gnn", [*ARGS, *TINY], cwd=root, nproc=nproc)
+        run_stage("train_gnn", [*ARGS, *TINY], cwd=root, nproc=nproc, **TRACKED)
         runs[nproc] = root
     return runs
 
