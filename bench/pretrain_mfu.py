@@ -4,8 +4,9 @@
         [--context 2048] [--micro-batch 8] [--steps 20] [--no-compile] [--peak-tflops 990]
         [--profile FILE] [--json FILE] [--dry]
 
-`stages.common.loop.train` (the loop pretrain runs) with `precision: auto` (bf16 autocast on a GPU, fp32
-weights and AdamW states) and `compile: true`, one process, random tokens. By default the model is a
+The step pretrain trains with (`stages.common.loop.build`, then `loop.step` per step: micro-batches, the
+compiled loss, clipping, the AdamW update) with `precision: auto` (bf16 autocast on a GPU, fp32 weights
+and AdamW states) and `compile: true`, one process, random tokens. By default the model is a
 Llama of hidden 2048, 16 layers, 16 heads, MLP 5632, vocab 32000 (~950M parameters) at context 2048,
 8 sequences per step. Figures printed:
   tokens/s              median of the steps after the first quarter (compilation and warm-up left out)
@@ -14,7 +15,7 @@ Llama of hidden 2048, 16 layers, 16 heads, MLP 5632, vocab 32000 (~950M paramete
                         (--peak-tflops: the H100/H200 SXM dense bf16 figure, 990) and over the dense
                         bf16 matmul rate measured here, now (an 8192^3 product)
   peak memory           the CUDA allocator's peak (GPU)
-With --profile FILE, one more step runs under torch.profiler and FILE gets the kernels that took the
+With --profile FILE, one more of those steps runs under torch.profiler and FILE gets the kernels that took the
 most device time and a breakdown by kind (matmul, attention, the rest): what limits the step.
 --dry runs the same code at tiny size on the CPU (a 2-layer model, context 128, 6 steps; fp32 there,
 where bf16 is not native) in seconds, so a run on a GPU machine spends its time measuring.
@@ -27,7 +28,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,22 +37,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stages import pretrain  # noqa: E402
-from stages.common import loop, losses, runtime, train_config  # noqa: E402
+from stages.common import loop, runtime, train_config  # noqa: E402
 
 DRY = {"hidden": 64, "layers": 2, "heads": 4, "ffn": 160, "vocab": 512, "context": 128, "micro_batch": 4, "steps": 6}
-
-
-class StepRecorder:
-    """Takes the loop's per-step metrics (the tracker's place): tokens/s of every step."""
-
-    def __init__(self):
-        self.tokens_per_s: list[float] = []
-
-    def __bool__(self) -> bool:
-        return True
-
-    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
-        self.tokens_per_s.append(metrics["tokens_per_s"])
 
 
 def make_model(args):
@@ -115,28 +102,16 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def profile_step(model, args, cfg: train_config.TrainConfig, device: torch.device, path: Path) -> dict:
-    """One forward/backward/AdamW step under torch.profiler, with the shapes and the compiled loss of the
-    measured steps (no recompilation): top kernels and time by kind."""
+def profile_step(tr: loop.Trainer, index: int, path: Path) -> dict:
+    """Step `index` of the trainer under torch.profiler (the shapes and the compiled loss of the measured
+    steps: no recompilation): top kernels and time by kind."""
     from torch.profiler import ProfilerActivity, profile
 
-    dtype = cfg.compute_dtype(device)
-    x = torch.randint(0, args.vocab, (args.micro_batch, args.context + 1), device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
-
-    def step():
-        with amp:
-            loss = losses.lm_loss(model, x[:, :-1], x[:, 1:], reduction="sum", compile_mode=cfg.loss_compile_mode)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # the optimizer's states, and any recompilation for the new shapes, outside the profile
+    device, dtype = tr.rt.device, tr.cfg.compute_dtype(tr.rt.device)
     sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        step()
+        loop.step(tr, index)
         sync(device)
     key = "device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
@@ -192,12 +167,11 @@ def main() -> None:
     tokens = tokens.astype(np.uint16 if args.vocab <= 2**16 else np.uint32)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    recorder = StepRecorder()
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        result = loop.train(model, tokens, tokens, cfg, args.context, rt, Path(tmp), recorder, runtime.StopFlag())
+    tr = loop.build(model, tokens, tokens, cfg, args.context, rt)
+    steps = [loop.step(tr, i) for i in range(args.steps)]
     wall = time.perf_counter() - t0
-    steady = recorder.tokens_per_s[args.steps // 4 :]
+    steady = [tr.tokens_per_step / s.seconds for s in steps[args.steps // 4 :]]
     tps = statistics.median(steady)
     figures = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else runtime.cpu_info()["cpu_model"],
@@ -215,7 +189,7 @@ def main() -> None:
         "mfu_vs_peak": fpt * tps / (args.peak_tflops * 1e12),
         "mfu_vs_matmul": fpt * tps / rate,
         "peak_tflops": args.peak_tflops,
-        "final_loss": result.history["loss"][-1],
+        "final_loss": steps[-1].loss,
         "wall_s": wall,
     }
     if device.type == "cuda":
@@ -223,7 +197,7 @@ def main() -> None:
     if args.json:  # before profiling: a profile that runs out of time loses nothing measured
         args.json.write_text(json.dumps(figures, indent=1))
     if args.profile:
-        figures["profile"] = profile_step(result.model, args, cfg, device, args.profile)
+        figures["profile"] = profile_step(tr, args.steps, args.profile)
     print(
         f"Llama {params / 1e6:.1f}M parameters ({fpt / 1e6:,.1f} MFLOP/token), context {args.context}, "
         f"batch {args.micro_batch}, {args.steps} steps, {dtype}, compile {cfg.compile}, {figures['device']}"

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages.common import atomic, ckpt, config, registry, runtime, shards, stage, track
+from stages.common import atomic, config, hf_folder, registry, runtime, shards, stage, track
 
 STAGE = "eval_perplexity"
 METRICS = ("nll", "perplexity", "bits_per_byte", "byte_perplexity", "word_perplexity", "tokens")
@@ -173,7 +173,7 @@ def check_checkpoint(spec: ModelSpec):
             )
         if not (folder / cfg_name).is_file():
             raise config.UserError(f"{where} has no {cfg_name}; it is not a complete checkpoint (save_pretrained)")
-        problem = ckpt.weights_problem(folder, adapter)
+        problem = hf_folder.weights_problem(folder, adapter)
         if problem:
             raise config.UserError(f"{where} {problem}; the checkpoint is incomplete")
     return AutoConfig.from_pretrained(spec.path)

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common import atomic, ckpt, config, loop, runtime, shards, stage, track, train_config
+from stages.common import atomic, ckpt, config, hf_folder, loop, runtime, shards, stage, track, train_config
 
 STAGE = "extend_context"
 UNSCALED = "unscaled"
@@ -132,7 +132,7 @@ def check_inputs(base: Path, data: Path, cfg: Config):
 
     if not (base / "config.json").is_file():
         raise config.UserError(f"extend_context: {base} has no config.json; pass --base a Hugging Face model folder")
-    problem = ckpt.weights_problem(base)
+    problem = hf_folder.weights_problem(base)
     if problem:
         raise config.UserError(f"extend_context: {base} {problem}; the checkpoint is incomplete")
     base_config = AutoConfig.from_pretrained(base)

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common import atomic, ckpt, config, instructions, loop, runtime, stage, train_config
+from stages.common import atomic, ckpt, config, hf_folder, instructions, loop, runtime, stage, train_config
 from stages.models import llama
 
 STAGE = "finetune_qlora"
@@ -123,7 +123,7 @@ def check_base(cfg: Config) -> dict:
                 f"finetune_qlora.base: {path} holds no config.json; run the pretrain stage first "
                 f"or set finetune_qlora.base to a model folder or hub id"
             )
-        problem = ckpt.weights_problem(path)
+        problem = hf_folder.weights_problem(path)
         if problem:
             raise config.UserError(
                 f"finetune_qlora.base: {path} {problem}; re-run the stage that wrote it or point base at a "

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.common import atomic, ckpt, config, runtime, sources, stage, track
+from stages.common import atomic, ckpt, config, digest, runtime, sources, stage, track
 
 STAGE = "prepare_data"
 SPLITS = ("train", "val", "test")
@@ -114,7 +114,7 @@ def fetch(raw: sources.RawFile, dest: Path) -> str:
     if mirror is not None:
         src = mirror / raw.mirror
         if src.is_file():
-            got = ckpt.sha256_file(src)
+            got = digest.sha256_file(src)
             if got != raw.sha256:
                 raise DataError(
                     f"checksum mismatch for {src}: sha256 {got}, expected {raw.sha256} ({raw.size} bytes); "
@@ -130,7 +130,7 @@ def fetch(raw: sources.RawFile, dest: Path) -> str:
         except OSError as e:
             where.append(f"download from {raw.url} failed ({e})")
         else:
-            got = ckpt.sha256_file(dest)
+            got = digest.sha256_file(dest)
             if got != raw.sha256:
                 raise DataError(f"checksum mismatch for the download of {raw.url}: sha256 {got}, expected {raw.sha256}")
             return got
@@ -328,7 +328,7 @@ def write_source(name: str, cfg: Config, workdir: Path, writers: dict[str, Split
             f"prepare_data.corpus: {name!r} is neither a known corpus (tinyshakespeare, wikitext2), "
             "a hub:<dataset id>, nor an existing .txt/.jsonl file"
         )
-    source = {"corpus": name, "sha256": {path.name: ckpt.sha256_file(path)}}
+    source = {"corpus": name, "sha256": {path.name: digest.sha256_file(path)}}
     if path.suffix == ".jsonl":
         field = cfg.text_field
         count = sum(1 for r in iter_jsonl(path, (field,)) if r[field].strip())  # checks every record first
@@ -446,7 +446,7 @@ def fetch_wikitext2(split: str, raw: sources.RawFile, dest: Path) -> str:
     with open(dest, "w", encoding="utf-8") as fh:  # blank lines are stored as ""
         for row in ds[hub_split]:
             fh.write(row["text"] or "\n")
-    return ckpt.sha256_file(dest)
+    return digest.sha256_file(dest)
 
 
 def write_hub_corpus(name: str, cfg: Config, writers: dict[str, SplitWriter]) -> int:
@@ -540,7 +540,7 @@ def prepare(cfg: Config, output: Path) -> dict:
         if cfg.instructions != "none":
             meta["instructions"] = write_instructions(cfg, tmp, work)
         meta["graphs"] = {"names": list(cfg.graphs), "raw_sha256": write_graphs(cfg, tmp)}
-        meta["files"] = {str(p.relative_to(tmp)): ckpt.sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        meta["files"] = {str(p.relative_to(tmp)): digest.sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         atomic.write_json(tmp / "meta.json", meta)
         figures = metrics_of(meta)
         headline = {k: figures[k] for k in ("train_bytes", "instruction_records") if k in figures}

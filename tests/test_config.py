@@ -186,3 +186,41 @@ def test_check_validates_the_command_line_and_params_without_running(workdir):
     assert "lr: 0.0003" in ok.stdout and not (workdir / "never").exists()
     bad = run_stage("finetune_qlora", ["--check", "lora.rank=8"], cwd=workdir, check=False)
     assert bad.returncode == 2 and "unknown key finetune_qlora.lora.rank" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "world, keys",
+    [
+        (8, {"tensor_parallel": 2, "pipeline_parallel": 2, "strategy": "fsdp"}),
+        (8, {"data_parallel_replicate": 2, "strategy": "fsdp"}),
+        (12, {"tensor_parallel": 3, "data_parallel_replicate": 2, "strategy": "fsdp"}),
+        (4, {}),
+    ],
+)
+def test_a_layout_places_each_rank_where_the_device_mesh_does(world, keys):
+    """The data-parallel rank a process reads batches as is its place along the mesh's data dimensions
+    when ranks fill the (pipeline, replicate, shard, tensor) mesh row-major, as init_device_mesh fills it."""
+    import numpy as np
+    import torch
+
+    from stages.common import runtime, train_config
+    from stages.common.mesh import Layout
+
+    cfg = train_config.build(**keys)
+    grid = np.arange(world).reshape(Layout.of(cfg, runtime.Runtime(0, world, 0, world, torch.device("cpu"))).shape)
+    for rank in range(world):
+        layout = Layout.of(cfg, runtime.Runtime(rank, world, 0, world, torch.device("cpu")))
+        pp, replicate, shard, tp = (int(i[0]) for i in np.nonzero(grid == rank))
+        assert layout.processes == world and layout.data_size == grid.shape[1] * grid.shape[2]
+        assert layout.data_rank == replicate * grid.shape[2] + shard
+
+
+def test_a_layout_the_processes_cannot_form_is_refused_with_the_key():
+    import torch
+
+    from stages.common import runtime, train_config
+    from stages.common.mesh import Layout
+
+    cfg = train_config.build(tensor_parallel=2, strategy="fsdp")
+    with pytest.raises(ValueError, match="tensor_parallel: 2 does not divide the 3 processes"):
+        Layout.of(cfg, runtime.Runtime(0, 3, 0, 3, torch.device("cpu")))

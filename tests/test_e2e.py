@@ -80,7 +80,7 @@ def mlflow_groups(clone: Path) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in groups.items()}
 
 
-@pytest.mark.timeout(3600)  # the whole DAG on 2 cores, then the part after tokenize again
+@pytest.mark.timeout(3600)  # the shared run (the whole DAG on 2 cores), then re-runs near its end
 def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     assert snakemake_ran(snakemake_output()) == {"prepare_data", *DOWNSTREAM, "train_gnn"}
     assert UP_TO_DATE in sh("dvc status", clone), "snakemake commits every stage to dvc.lock"

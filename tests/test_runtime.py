@@ -9,11 +9,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from conftest import ROOT
 
-from stages.common import atomic, ckpt, runtime
+from stages.common import atomic, ckpt, digest, runtime
 
 
 def test_checkpoint_dir_depends_on_params_and_inputs(tmp_path):
@@ -27,11 +28,11 @@ def test_checkpoint_dir_depends_on_params_and_inputs(tmp_path):
 def test_hash_files_sees_content_and_names(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d/x").write_text("1")
-    h1 = ckpt.hash_files([tmp_path / "d"])
+    h1 = digest.hash_files([tmp_path / "d"])
     (tmp_path / "d/x").write_text("2")
-    h2 = ckpt.hash_files([tmp_path / "d"])
+    h2 = digest.hash_files([tmp_path / "d"])
     (tmp_path / "d/x").rename(tmp_path / "d/y")
-    assert len({h1, h2, ckpt.hash_files([tmp_path / "d"])}) == 3
+    assert len({h1, h2, digest.hash_files([tmp_path / "d"])}) == 3
 
 
 def test_atomic_dir_replaces_on_success_and_leaves_nothing_on_error(tmp_path):
@@ -139,6 +140,43 @@ def test_manifest_tells_intact_checkpoints_from_damaged_ones(tmp_path, capsys):
     assert "has no manifest.json (an older version wrote it)" in capsys.readouterr().out
 
 
+def test_the_checkpointer_saves_the_steps_it_decides_on_and_resumes_the_whole_train_state(tmp_path):
+    """Every 3 of 8 steps before the last, and the step a stop ends a run on; the newest two kept. A
+    resume loads model, optimizer, steps, history, RNG and fp16's scaler as they were saved."""
+    import torch
+
+    rt = runtime.init()
+    saver = ckpt.Checkpointer(tmp_path, every=3, steps=8, rt=rt)
+    assert [done for done in range(1, 9) if saver.due(done, stopped=False)] == [3, 6]
+    assert saver.due(5, stopped=True) and not ckpt.Checkpointer(tmp_path, 0, 8, rt).due(6, stopped=False)
+
+    def parts(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        return model, optimizer, torch.amp.GradScaler("cpu", init_scale=2.0**seed)
+
+    model, optimizer, scaler = parts(7)
+    state = ckpt.TrainState()
+    for done in range(1, 8):
+        state.step = done
+        state.history["step"].append(done)
+        assert (saver.step_done(state, model, optimizer, scaler, stopped=done == 7) is not None) == (done in (3, 6, 7))
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-6", "step-7"]
+    rng = torch.get_rng_state()
+    torch.manual_seed(99)
+    other, other_optimizer, other_scaler = parts(3)
+    resumed = ckpt.Checkpointer(tmp_path, 3, 8, rt).resume(other, other_optimizer, other_scaler)
+    assert (resumed.step, resumed.history["step"]) == (7, list(range(1, 8)))
+    assert torch.equal(torch.get_rng_state(), rng) and other_scaler.get_scale() == 2.0**7
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True))
+    moments = zip(model.parameters(), other.parameters(), strict=True)
+    assert all(torch.equal(optimizer.state[a]["exp_avg"], other_optimizer.state[b]["exp_avg"]) for a, b in moments)
+    assert ckpt.Checkpointer(tmp_path / "none", 3, 8, rt).resume(other, other_optimizer).step == 0
+
+
 def test_an_unreachable_tracking_server_is_one_clear_error(tmp_path):
     """MLflow's client retries an unreachable server for minutes; a stage asks once and stops with the URI."""
     code = (
@@ -184,6 +222,31 @@ def test_a_run_left_running_by_sigkill_is_marked_killed_on_the_next_start(tmp_pa
     with track.start_run("probe", {}, "", runtime.Runtime(0, 1, 0, 1, None)):
         assert client.get_run(killed.info.run_id).info.status == "KILLED"
     assert client.get_run(killed.info.run_id).data.tags["stopped_by"].startswith("killed")
+
+
+def test_stages_opening_a_new_mlflow_store_at_once_all_track(tmp_path):
+    """Four processes open one new SQLite store at the same moment (as stages started together on a fresh
+    checkout do): each gets its client and the one experiment, none fails making the store's tables."""
+    code = (
+        "import sys, time\nfrom pathlib import Path\nfrom stages.common import track\n"
+        "import mlflow.store.tracking.sqlalchemy_store  # (imported before the start: they open together)\n"
+        "Path(f'ready-{sys.argv[1]}').touch()\n"
+        "while not Path('go').exists():\n    time.sleep(0.01)\n"
+        "client, experiment_id = track.experiment(Path.cwd())\nprint(experiment_id)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    probe, pipe = [sys.executable, "-c", code], subprocess.PIPE
+    procs = [
+        subprocess.Popen([*probe, str(i)], cwd=tmp_path, env=env, stdout=pipe, stderr=pipe, text=True) for i in range(4)
+    ]
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("ready-*"))) < 4:  # every process at the start line
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a process did not start"
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1, "one experiment"
 
 
 def test_a_pipeline_parent_run_ends_with_the_worst_status_of_its_stages(tmp_path, monkeypatch):

@@ -11,7 +11,8 @@ sharded model and optimizer state (torch.distributed.checkpoint, every rank its 
 loss history and RNG state (extra.pt, plain data), and a manifest of its files' sizes and sha256,
 written last; it is published by renaming (stages.common.atomic), so a crash mid-save leaves no
 `step-*` folder, and a damaged one is passed over on resume. The folder is locked (flock) by the run
-that trains into it.
+that trains into it. A run's `Checkpointer` owns its train state (steps done, history, RNG, fp16's
+scaler): it resumes it, and decides which steps save.
 """
 
 from __future__ import annotations
@@ -23,17 +24,17 @@ import json
 import os
 import shutil
 import signal
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 
 from stages.common import atomic, runtime
+from stages.common.config import UserError
+from stages.common.digest import sha256_file
+
+# (torch.distributed.checkpoint is imported where a checkpoint is saved or loaded: it brings in DTensor
+# and sympy, a second of start-up for every process of the stages that never train)
 
 # How the processes share the model, not what it computes: a checkpoint saved under one layout resumes
 # under another (DCP reshards on load), so these keys of a train section are not part of the checkpoint
@@ -43,64 +44,12 @@ LAYOUT_KEYS = (
 )  # fmt: skip
 
 
-def weights_problem(folder: str | Path, adapter: bool = False) -> str | None:
-    """What a Hugging Face model folder (or PEFT adapter folder) lacks of its weights: every weight file
-    (single or sharded), or a shard its index names. None when they are all there."""
-    from transformers.utils import (
-        ADAPTER_SAFE_WEIGHTS_NAME,
-        ADAPTER_WEIGHTS_NAME,
-        SAFE_WEIGHTS_INDEX_NAME,
-        SAFE_WEIGHTS_NAME,
-        WEIGHTS_INDEX_NAME,
-        WEIGHTS_NAME,
-    )
-
-    folder = Path(folder)
-    names = (
-        (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
-        if adapter
-        else (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
-    )
-    found = [name for name in names if (folder / name).is_file()]
-    if not found:
-        return f"has no weights ({' or '.join(names)})"
-    if found[0].endswith(".index.json"):  # sharded: every shard the index names must be there
-        shards = json.loads((folder / found[0]).read_text())["weight_map"].values()
-        missing = sorted(f for f in set(shards) if not (folder / f).is_file())
-        if missing:
-            return f"lacks {missing[0]} (listed in {found[0]})"
-    return None
-
-
 # PIPELINE_CHECKPOINTS, else checkpoints/ in the repository (DVC_ROOT: also for a queued or temporary DVC
 # experiment, whose copy of the repository DVC deletes), else in the working directory.
 CHECKPOINT_ROOT = Path(
     os.environ.get("PIPELINE_CHECKPOINTS")
     or (Path(os.environ["DVC_ROOT"]) / "checkpoints" if os.environ.get("DVC_ROOT") else "checkpoints")
 )
-
-
-def hash_files(paths) -> str:
-    """sha256 over the relative paths and contents of every file under `paths` (sorted, streamed)."""
-    h = hashlib.sha256()
-    for root in sorted(Path(p) for p in paths):
-        files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file())
-        for f in files:
-            rel = f.relative_to(root) if f != root else Path(f.name)
-            h.update(str(rel).encode() + b"\0")
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-            h.update(b"\0")
-    return h.hexdigest()
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def checkpoint_key(params: dict, inputs_hash: str) -> str:
@@ -236,8 +185,6 @@ def exclusive(folder: str | Path, rt: runtime.Runtime):
                 handle.close()
     problem = runtime.broadcast_object(problem)  # every rank stops together
     if problem:
-        from stages.common.config import UserError
-
         raise UserError(problem)
     try:
         yield
@@ -258,9 +205,12 @@ def fqn(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in ("module", "_orig_mod", "_fsdp_wrapped_module"))
 
 
-def state_dicts(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
-    """Model and optimizer state for a checkpoint. With a frozen base only the trainable parameters
-    (quantized bases also put packing statistics in the state dict; those are left out too)."""
+def state_dicts(model, optimizer) -> tuple[dict, dict, object]:
+    """Model and optimizer state for a checkpoint, and the StateDictOptions that took them. With a frozen
+    base only the trainable parameters (quantized bases also put packing statistics in the state dict;
+    those are left out too)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
     trainable = {fqn(n) for n, p in model.named_parameters() if p.requires_grad}
     frozen = any(not p.requires_grad for p in model.parameters())
     # AdamW's state flattened to one entry per parameter name (its moments and its group's settings), so
@@ -324,40 +274,6 @@ def set_aside(folder: Path) -> Path:
     return aside
 
 
-def save_checkpoint(
-    folder: Path,
-    step: int,
-    model,
-    optimizer,
-    history: list,
-    rt: runtime.Runtime,
-    keep: int = 2,
-    state: dict | None = None,
-) -> Path:
-    """Sharded model + optimizer state (every rank writes its shard), plus step, loss history, RNG state
-    and `state` (plain data the loop keeps, such as fp16's gradient scaler, the same on every rank);
-    published by renaming, so a crash mid-write leaves no `step-*` folder behind."""
-    final = folder / f"step-{step}"
-    model_sd, optim_sd, _ = state_dicts(model, optimizer)
-    with atomic.folder(final, rt) as tmp:
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
-        if rt.is_main:
-            extra = {**(state or {}), "step": step, "history": history, "torch_rng": torch.get_rng_state()}
-            torch.save(extra, tmp / "extra.pt")
-            atomic.write_json(tmp / WRITER_FILE, WRITER or writer_record(""))
-        runtime.barrier()  # every rank's shard is on disk before the manifest records them
-        if rt.is_main:
-            write_manifest(tmp)
-        if os.environ.get("PIPELINE_FAULT_IN_CHECKPOINT") == str(step):
-            os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the resume tests
-    if rt.is_main:
-        done = sorted((p for p in folder.glob("step-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
-        for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    runtime.barrier()
-    return final
-
-
 def checkpoint_problem(path: Path) -> str | None:
     """Why a checkpoint cannot be resumed from: files that do not match its manifest (truncated,
     changed, missing), or an extra.pt that is not plain data. None when it is intact."""
@@ -370,11 +286,91 @@ def checkpoint_problem(path: Path) -> str | None:
     return problem
 
 
-def load_checkpoint(path: Path, model, optimizer) -> dict:
-    model_sd, optim_sd, options = state_dicts(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path / "state"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
-    extra = torch.load(path / "extra.pt", weights_only=True)  # data only: a checkpoint never runs code
-    torch.set_rng_state(extra["torch_rng"])
-    return extra
+def new_history() -> dict:
+    """A run's loss history: per step its step, loss and lr; per evaluation val_step and val_loss."""
+    return {"step": [], "loss": [], "lr": [], "val_step": [], "val_loss": []}
+
+
+@dataclass
+class TrainState:
+    """What a run has done, beside its model and optimizer: the steps done and their history."""
+
+    step: int = 0
+    history: dict = field(default_factory=new_history)
+
+
+class Checkpointer:
+    """A training run's checkpoints in `folder`: resumes the train state (steps done, history, RNG state,
+    fp16's gradient scaler) from the newest intact checkpoint, and decides which steps save: every
+    `every` steps before the last one (0: none), and the step a stop signal ended the run on. Keeps the
+    newest `keep`. The stage holds the folder's lock (stage.checkpoints) around the run."""
+
+    def __init__(self, folder: Path, every: int, steps: int, rt: runtime.Runtime, keep: int = 2):
+        self.folder, self.every, self.steps, self.rt, self.keep = Path(folder), every, steps, rt, keep
+
+    def resume(self, model, optimizer, scaler=None) -> TrainState:
+        """Load the newest intact checkpoint into model, optimizer and scaler (rank 0 picks it, passing a
+        damaged one over with a warning; every rank loads it), or a fresh state without one."""
+        rt = self.rt
+        latest = runtime.broadcast_object(newest_intact_checkpoint(self.folder) if rt.is_main else None)
+        if latest is None:
+            return TrainState()
+        extra = self._load(latest, model, optimizer)
+        if scaler is not None and "grad_scaler" in extra:
+            scaler.load_state_dict(extra["grad_scaler"])
+        runtime.print0(f"resuming from {latest} (step {extra['step']})", rt=rt)
+        return TrainState(extra["step"], extra["history"])
+
+    def due(self, done: int, stopped: bool) -> bool:
+        """Whether the step that made `done` steps saves (`stopped`: a stop signal ends the run after it)."""
+        return stopped or bool(self.every and done % self.every == 0 and done < self.steps)
+
+    def step_done(self, state: TrainState, model, optimizer, scaler=None, stopped: bool = False) -> Path | None:
+        """After a step: save the state if the step is due (`due`). The checkpoint's folder, or None."""
+        if not self.due(state.step, stopped):
+            return None
+        return self.save(state, model, optimizer, scaler)
+
+    def save(self, state: TrainState, model, optimizer, scaler=None) -> Path:
+        """Sharded model + optimizer state (every rank writes its shard), plus the train state, RNG state
+        and fp16's gradient scaler (the same on every rank); published by renaming, so a crash mid-write
+        leaves no `step-*` folder behind."""
+        import torch.distributed.checkpoint as dcp
+
+        rt, folder = self.rt, self.folder
+        final = folder / f"step-{state.step}"
+        model_sd, optim_sd, _ = state_dicts(model, optimizer)
+        with atomic.folder(final, rt) as tmp:
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+            if rt.is_main:
+                extra = {"step": state.step, "history": state.history, "torch_rng": torch.get_rng_state()}
+                if scaler is not None:
+                    extra["grad_scaler"] = scaler.state_dict()
+                torch.save(extra, tmp / "extra.pt")
+                atomic.write_json(tmp / WRITER_FILE, WRITER or writer_record(""))
+            runtime.barrier()  # every rank's shard is on disk before the manifest records them
+            if rt.is_main:
+                write_manifest(tmp)
+            if os.environ.get("PIPELINE_FAULT_IN_CHECKPOINT") == str(state.step):
+                os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the resume tests
+        if rt.is_main:
+            done = sorted((p for p in folder.glob("step-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+            for old in done[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        runtime.barrier()
+        return final
+
+    @staticmethod
+    def _load(path: Path, model, optimizer) -> dict:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        model_sd, optim_sd, options = state_dicts(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path / "state"))
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+        )
+        extra = torch.load(path / "extra.pt", weights_only=True)  # data only: a checkpoint never runs code
+        torch.set_rng_state(extra["torch_rng"])
+        return extra

@@ -1,12 +1,15 @@
 """The one training loop of the codebase: pretrain, extend_context and finetune_qlora call `fit()`.
 
-`train()` runs a train section (stages.common.train_config): it lays the model out over the processes
-(a pipeline stage's part, stages.common.pipeline, or the model wrapped by stages.common.parallel:
-DDP, FSDP2, HSDP, tensor parallel), builds the optimizer and fp16's scaler (stages.common.optim),
-resumes from the newest intact checkpoint (stages.common.ckpt), then runs the steps: gradient
-accumulation over micro-batches, the loss (stages.common.losses), clipping, periodic validation
-(`evaluate`), tokens/s and MFU, and a checkpoint every N steps and on a stop signal. `fit()` adds the
-stop protocol; `full_state_dict` and `write_curves` are what a stage publishes from it.
+A run of a train section (stages.common.train_config) has three parts. `build()` lays the model out over
+the processes as the run's Layout (stages.common.mesh) says: a pipeline stage's part
+(stages.common.pipeline), or the model wrapped by stages.common.parallel (DDP, FSDP2, HSDP, tensor
+parallel); then the optimizer and fp16's scaler (stages.common.optim): a `Trainer`. `step()` is one
+optimizer step of it: gradient accumulation over micro-batches, the loss (stages.common.losses),
+clipping, the update; benches call it alone. `train()` builds, resumes the train state from the newest
+intact checkpoint (stages.common.ckpt's Checkpointer), then runs the steps with their bookkeeping:
+periodic validation (`evaluate`), tokens/s and MFU, the tracker, and the checkpoints the Checkpointer
+decides on (every N steps, and on a stop signal). `fit()` adds the stop protocol; `full_state_dict`
+and `write_curves` are what a stage publishes from it.
 
 Batches are a pure function of (seed, step): each step draws `batch_size` windows from the token
 stream with a generator seeded by both (`Windows`), and rank r takes its slice. So the data position
@@ -32,9 +35,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from stages.common import ckpt, config, pipeline, runtime, shards
 from stages.common.losses import IGNORE_INDEX, global_target_count, lm_loss, vocab_parallel_loss
+from stages.common.mesh import Layout
 from stages.common.optim import clip_grad_norm, lr_at, make_grad_scaler, make_optimizer, optimizer_state_bytes
 from stages.common.parallel import all_reduce_grads, checkpoint_activations, replicated_params, wrap
-from stages.common.train_config import REDUCE_DTYPES, TrainConfig, data_parallel, grad_accum_steps
+from stages.common.train_config import REDUCE_DTYPES, TrainConfig, grad_accum_steps
 from stages.models.llama import tensor_parallel_problem
 
 
@@ -90,12 +94,17 @@ def autocast(cfg: TrainConfig, rt: runtime.Runtime):
 
 
 @torch.no_grad()
-def evaluate(model, windows, cfg: TrainConfig, rt: runtime.Runtime, pipe: pipeline.Pipeline | None = None) -> float:
+def evaluate(
+    model, windows, cfg: TrainConfig, rt: runtime.Runtime, pipe: pipeline.Pipeline | None = None,
+    layout: Layout | None = None,
+) -> float:  # fmt: skip
     """Mean loss per target token over `eval_batches` global batches of fixed validation windows (same
-    every call); `windows` is a Windows or another batch source. `pipe`: the model's pipeline stages."""
+    every call); `windows` is a Windows or another batch source. `pipe`: the model's pipeline stages;
+    `layout`: the run's (by default the train section's on these processes)."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss sum, target count
-    dp_rank, dp_size = data_parallel(cfg, rt)
+    layout = layout or Layout.of(cfg, rt)
+    dp_rank, dp_size = layout.data_rank, layout.data_size
     accum = grad_accum_steps(cfg, dp_size)
     for b in range(cfg.eval_batches):
         if pipe is not None:  # the step's micro-batches through the pipeline; the last stage has the loss
@@ -125,6 +134,146 @@ def evaluate(model, windows, cfg: TrainConfig, rt: runtime.Runtime, pipe: pipeli
     return (total[0] / total[1]).item()
 
 
+@dataclass
+class Trainer:
+    """What a step needs, laid out over the processes: made once per run by `build`."""
+
+    model: torch.nn.Module
+    """The model as it trains: wrapped (DDP, FSDP2, tensor parallel, compiled), or this rank's pipeline part."""
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    """fp16's loss scaler; None in other precisions."""
+    pipe: pipeline.Pipeline | None
+    replicated: list
+    """Parameters whose gradients this code all-reduces itself (parallel.replicated_params)."""
+    replica_group: object
+    cfg: TrainConfig
+    rt: runtime.Runtime
+    layout: Layout
+    train_windows: object
+    """A Windows or another batch source."""
+    val_windows: object
+    context_length: int
+    flops_per_token: float
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.context_length
+
+
+@dataclass
+class Step:
+    """One optimizer step's figures."""
+
+    loss: float
+    """Mean loss per target token of the global batch."""
+    lr: float
+    grad_norm: float
+    """Before clipping; not finite on an fp16 step that overflowed (and was skipped)."""
+    seconds: float
+    cpu_seconds: float
+    """This process's CPU time for the step."""
+
+
+def build(model, train_data, val_data, cfg: TrainConfig, context_length: int, rt: runtime.Runtime) -> Trainer:
+    """Lay `model` out over the processes as the train section says (a pipeline stage's part, or the model
+    wrapped: DDP, FSDP2, HSDP, tensor parallel), then its optimizer, fp16's scaler and the batch sources.
+    Token streams (np.ndarray, shards.TokenStream) are cut into Windows; other data are batch sources with
+    `batch(step, index, size) -> (inputs, targets)`."""
+    fpt = flops_per_token(model, context_length)
+    layout = Layout.of(cfg, rt)
+    pipe = None
+    problem = tensor_parallel_problem(model.config, cfg.tensor_parallel) if cfg.tensor_parallel > 1 else None
+    if problem:
+        raise config.UserError(f"train.tensor_parallel: {problem}; choose a degree that divides them")
+    if cfg.pipeline_parallel > 1:
+        c = model.config
+        accum = grad_accum_steps(cfg, layout.data_size)
+        problem = pipeline.layout_problem(c.num_hidden_layers, cfg.pipeline_parallel, accum, c.tie_word_embeddings)
+        if problem:
+            raise config.UserError(f"train.pipeline_parallel: {problem}")
+        checkpoint_activations(model, cfg)
+        pipe = pipeline.Pipeline(model, cfg, accum, rt, layout)
+        model = pipe.model  # this stage's part
+    else:
+        model = wrap(model, cfg, rt, layout)
+    optimizer = make_optimizer(model, cfg)
+    replicated, replica_group = replicated_params(model, cfg, rt, pipe)
+    streams = (np.ndarray, shards.TokenStream)
+    train_w = Windows(train_data, context_length, cfg.seed) if isinstance(train_data, streams) else train_data
+    val_w = Windows(val_data, context_length, cfg.seed) if isinstance(val_data, streams) else val_data
+    return Trainer(
+        model=model,
+        optimizer=optimizer,
+        scaler=make_grad_scaler(cfg, rt),
+        pipe=pipe,
+        replicated=replicated,
+        replica_group=replica_group,
+        cfg=cfg,
+        rt=rt,
+        layout=layout,
+        train_windows=train_w,
+        val_windows=val_w,
+        context_length=context_length,
+        flops_per_token=fpt,
+    )
+
+
+def step(tr: Trainer, index: int) -> Step:
+    """Optimizer step `index` (0-based): its learning rate, its global batch's micro-batches (this rank's
+    share) through forward and backward, gradients reduced and clipped, the update."""
+    cfg, rt, model, optimizer, scaler, pipe = tr.cfg, tr.rt, tr.model, tr.optimizer, tr.scaler, tr.pipe
+    dp_rank, dp_size = tr.layout.data_rank, tr.layout.data_size
+    accum = grad_accum_steps(cfg, dp_size)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    lr = lr_at(index, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=rt.device)
+    micro = [
+        tr.train_windows.batch(index, (m * dp_size + dp_rank) * cfg.micro_batch_size, cfg.micro_batch_size)
+        for m in range(accum)
+    ]
+    # Each micro-batch's summed loss over the step's target count: the gradients, averaged over the
+    # data-parallel ranks by DDP/FSDP, are those of the mean loss per target token of the whole global
+    # batch. (The count is summed over all ranks: tensor-parallel ranks count the same batch, so
+    # world_size / count = data-parallel size / the batch's count.)
+    scale = rt.world_size / global_target_count([y for _, y in micro], rt)
+    if pipe is not None:  # the micro-batches in order through the stages (GPipe or 1F1B)
+        x, y = torch.cat([x for x, _ in micro]).to(rt.device), torch.cat([y for _, y in micro]).to(rt.device)
+        with autocast(cfg, rt):
+            loss_sum += pipe.run(x, y, scale.to(torch.float32))
+        micro = []
+    for m, (x, y) in enumerate(micro):
+        x, y = x.to(rt.device), y.to(rt.device)
+        last = m == accum - 1
+        # DDP: all-reduce gradients only on the last micro-batch of the step.
+        no_sync = dp_size > 1 and not last and cfg.strategy == "ddp"
+        sync = model.no_sync() if no_sync else contextlib.nullcontext()
+        with sync, autocast(cfg, rt), vocab_parallel_loss(cfg):
+            loss = lm_loss(model, x, y, reduction="sum", compile_mode=cfg.loss_compile_mode) * scale.to(torch.float32)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        loss_sum += loss.detach()
+    all_reduce_grads(tr.replicated, REDUCE_DTYPES[cfg.reduce_dtype], tr.replica_group)
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # clip the true gradients
+    if cfg.tensor_parallel > 1 or pipe is not None:
+        grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip, pipe.group if pipe is not None else None)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if scaler is not None:
+        scaler.step(optimizer)  # skipped when a gradient overflowed; the scale is halved then
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if rt.distributed:
+        torch.distributed.all_reduce(loss_sum)
+        loss_sum /= rt.world_size // cfg.pipeline_parallel  # (the last stage holds a pipeline's loss)
+    loss_value = loss_sum.item()
+    return Step(loss_value, lr, float(grad_norm), time.perf_counter() - t0, time.process_time() - cpu0)
+
+
 def train(
     model,
     train_data,
@@ -137,130 +286,44 @@ def train(
     stop: runtime.StopFlag,
 ) -> TrainResult:
     """Train `model` (a transformers causal LM, or a PEFT model around one) for cfg.steps optimizer
-    steps of sequences of `context_length` tokens, resuming from the newest intact checkpoint in
-    `ckpt_folder`. The data are token streams (np.ndarray or memory-mapped shards.TokenStream, cut into
-    Windows) or batch sources with
-    `batch(step, index, size) -> (inputs, targets)`. A stop signal ends it after the step with a
+    steps of sequences of `context_length` tokens (`build`, then `step` after step), resuming from the
+    newest intact checkpoint in `ckpt_folder`; each step is logged to `tracker`, validated every
+    `eval_every` steps and saved every `checkpoint_every`. A stop signal ends it after the step with a
     checkpoint (`stopped`). Stages hold the folder's lock (stage.checkpoints) around it and their
     publishing, so no second run resumes from or writes into the same folder meanwhile."""
-    dp_rank, dp_size = data_parallel(cfg, rt)
-    accum = grad_accum_steps(cfg, dp_size)
-    fpt = flops_per_token(model, context_length)
-    pipe = None
-    problem = tensor_parallel_problem(model.config, cfg.tensor_parallel) if cfg.tensor_parallel > 1 else None
-    if problem:
-        raise config.UserError(f"train.tensor_parallel: {problem}; choose a degree that divides them")
-    if cfg.pipeline_parallel > 1:
-        c = model.config
-        problem = pipeline.layout_problem(c.num_hidden_layers, cfg.pipeline_parallel, accum, c.tie_word_embeddings)
-        if problem:
-            raise config.UserError(f"train.pipeline_parallel: {problem}")
-        checkpoint_activations(model, cfg)
-        pipe = pipeline.Pipeline(model, cfg, accum, rt)
-        model = pipe.model  # this stage's part
-    else:
-        model = wrap(model, cfg, rt)
-    optimizer = make_optimizer(model, cfg)
-    replicated, replica_group = replicated_params(model, cfg, rt, pipe)
-    scaler = make_grad_scaler(cfg, rt)
-    streams = (np.ndarray, shards.TokenStream)
-    train_w = Windows(train_data, context_length, cfg.seed) if isinstance(train_data, streams) else train_data
-    val_w = Windows(val_data, context_length, cfg.seed) if isinstance(val_data, streams) else val_data
-    history = {"step": [], "loss": [], "lr": [], "val_step": [], "val_loss": []}
-    start = 0
-    # Rank 0 picks the newest intact checkpoint (a damaged one is skipped with a warning); all ranks load it.
-    latest = runtime.broadcast_object(ckpt.newest_intact_checkpoint(ckpt_folder) if rt.is_main else None)
-    if latest is not None:
-        extra = ckpt.load_checkpoint(latest, model, optimizer)
-        start, history = extra["step"], extra["history"]
-        if scaler is not None and "grad_scaler" in extra:
-            scaler.load_state_dict(extra["grad_scaler"])
-        runtime.print0(f"resuming from {latest} (step {start})", rt=rt)
+    tr = build(model, train_data, val_data, cfg, context_length, rt)
+    model, optimizer, scaler = tr.model, tr.optimizer, tr.scaler
+    saver = ckpt.Checkpointer(ckpt_folder, cfg.checkpoint_every, cfg.steps, rt)
+    state = saver.resume(model, optimizer, scaler)
+    history = state.history
     dtype = cfg.compute_dtype(rt.device)
     runtime.warn_if_emulated_bf16(rt.device, dtype, rt)
-    tokens_per_step = cfg.batch_size * context_length
     stopped = False
-    bar = runtime.progress(total=cfg.steps, initial=start, desc="train", rt=rt)
-    step_times = []  # seconds of each step's forward/backward/update (validation and saving excluded)
-    step_cpu_times = []  # the same steps' CPU seconds of this process
-    for step in range(start, cfg.steps):
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=rt.device)
-        micro = [
-            train_w.batch(step, (m * dp_size + dp_rank) * cfg.micro_batch_size, cfg.micro_batch_size)
-            for m in range(accum)
-        ]
-        # Each micro-batch's summed loss over the step's target count: the gradients, averaged over the
-        # data-parallel ranks by DDP/FSDP, are those of the mean loss per target token of the whole global
-        # batch. (The count is summed over all ranks: tensor-parallel ranks count the same batch, so
-        # world_size / count = data-parallel size / the batch's count.)
-        scale = rt.world_size / global_target_count([y for _, y in micro], rt)
-        if pipe is not None:  # the micro-batches in order through the stages (GPipe or 1F1B)
-            x, y = torch.cat([x for x, _ in micro]).to(rt.device), torch.cat([y for _, y in micro]).to(rt.device)
-            with autocast(cfg, rt):
-                loss_sum += pipe.run(x, y, scale.to(torch.float32))
-            micro = []
-        for m, (x, y) in enumerate(micro):
-            x, y = x.to(rt.device), y.to(rt.device)
-            last = m == accum - 1
-            # DDP: all-reduce gradients only on the last micro-batch of the step.
-            no_sync = dp_size > 1 and not last and cfg.strategy == "ddp"
-            sync = model.no_sync() if no_sync else contextlib.nullcontext()
-            with sync, autocast(cfg, rt), vocab_parallel_loss(cfg):
-                loss = lm_loss(model, x, y, reduction="sum", compile_mode=cfg.loss_compile_mode) * scale.to(
-                    torch.float32
-                )
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-            loss_sum += loss.detach()
-        all_reduce_grads(replicated, REDUCE_DTYPES[cfg.reduce_dtype], replica_group)
-        if scaler is not None:
-            scaler.unscale_(optimizer)  # clip the true gradients
-        if cfg.tensor_parallel > 1 or pipe is not None:
-            grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip, pipe.group if pipe is not None else None)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        if scaler is not None:
-            scaler.step(optimizer)  # skipped when a gradient overflowed; the scale is halved then
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if rt.distributed:
-            torch.distributed.all_reduce(loss_sum)
-            loss_sum /= rt.world_size // cfg.pipeline_parallel  # (the last stage holds a pipeline's loss)
-        loss_value = loss_sum.item()
-        step_times.append(time.perf_counter() - t0)
-        step_cpu_times.append(time.process_time() - cpu0)
-        history["step"].append(step + 1)
-        history["loss"].append(loss_value)
-        history["lr"].append(lr)
+    bar = runtime.progress(total=cfg.steps, initial=state.step, desc="train", rt=rt)
+    steps: list[Step] = []  # (their times: forward/backward/update; validation and saving excluded)
+    for index in range(state.step, cfg.steps):
+        out = step(tr, index)
+        steps.append(out)
+        done = state.step = index + 1
+        history["step"].append(done)
+        history["loss"].append(out.loss)
+        history["lr"].append(out.lr)
         bar.update(1)
-        done = step + 1
-        tps = tokens_per_step / max(step_times[-1], 1e-9)
-        metrics = {
-            "loss": loss_value,
-            "lr": lr,
-            "tokens_per_s": tps,
-            "mfu": fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12),
-        }
-        if math.isfinite(float(grad_norm)):  # (not on an fp16 step that overflowed and was skipped)
-            metrics["grad_norm"] = float(grad_norm)
+        tps = tr.tokens_per_step / max(out.seconds, 1e-9)
+        metrics = {"loss": out.loss, "lr": out.lr, "tokens_per_s": tps, "mfu": mfu(tr, tps)}
+        if math.isfinite(out.grad_norm):  # (not on an fp16 step that overflowed and was skipped)
+            metrics["grad_norm"] = out.grad_norm
         if scaler is not None:
             metrics["loss_scale"] = scaler.get_scale()
         if done % cfg.log_every == 0 or done == cfg.steps:
-            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tps:,.0f}")
+            bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{tps:,.0f}")
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-            metrics["val_loss"] = evaluate(model, val_w, cfg, rt, pipe)
+            metrics["val_loss"] = evaluate(model, tr.val_windows, cfg, rt, tr.pipe, tr.layout)
             history["val_step"].append(done)
             history["val_loss"].append(metrics["val_loss"])
         tracker.log_metrics(metrics, step=done)
         stopped = runtime.any_rank(bool(stop))
-        if stopped or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps):
-            state = {"grad_scaler": scaler.state_dict()} if scaler is not None else {}
-            ckpt.save_checkpoint(ckpt_folder, done, model, optimizer, history, rt, state=state)
+        saver.step_done(state, model, optimizer, scaler, stopped)
         if stopped:
             runtime.print0(
                 f"stopped by {stop.signal or 'a signal to another rank'} after step {done}; checkpoint "
@@ -271,21 +334,26 @@ def train(
     bar.close()
     # Throughput from the median step time of this run, the first step (warm-up, allocation) left out
     # when there are others: the median is not moved by a few steps slowed by other jobs on the machine.
-    timed, cpu_timed = step_times[1:] or step_times, step_cpu_times[1:] or step_cpu_times
-    tps = tokens_per_step / max(float(np.median(timed)), 1e-9) if timed else 0.0
+    timed = steps[1:] or steps
+    tps = tr.tokens_per_step / max(float(np.median([s.seconds for s in timed])), 1e-9) if timed else 0.0
     # (every process spends about the same CPU time on its share of the step's tokens)
-    cpu_tps = tokens_per_step / max(float(np.median(cpu_timed)) * rt.world_size, 1e-9) if cpu_timed else 0.0
+    cpu_s = float(np.median([s.cpu_seconds for s in timed])) * rt.world_size if timed else 0.0
     return TrainResult(
         history=history,
         model=model,
         stopped=stopped,
-        flops_per_token=fpt,
+        flops_per_token=tr.flops_per_token,
         compute_dtype=str(dtype),
         tokens_per_s=tps,
-        mfu=fpt * tps / rt.world_size / (cfg.peak_tflops * 1e12),
+        mfu=mfu(tr, tps),
         optimizer_state_bytes=optimizer_state_bytes(optimizer),
-        tokens_per_cpu_s=cpu_tps,
+        tokens_per_cpu_s=tr.tokens_per_step / max(cpu_s, 1e-9) if timed else 0.0,
     )
+
+
+def mfu(tr: Trainer, tokens_per_s: float) -> float:
+    """Model FLOPs utilization of one process at `tokens_per_s` (all processes together)."""
+    return tr.flops_per_token * tokens_per_s / tr.rt.world_size / (tr.cfg.peak_tflops * 1e12)
 
 
 def fit(model, train_data, val_data, cfg: TrainConfig, context: int, rt, folder: Path, tracker, stop):

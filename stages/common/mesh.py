@@ -5,9 +5,16 @@ per model replica's layer, and of the data-parallel processes left (processes / 
 `data_parallel_replicate` replicas (under strategy fsdp: HSDP, each replica sharded over the rest;
 1: plain FSDP or DDP). Ranks fill the mesh row-major in that order: consecutive ranks form a
 tensor-parallel group, then the data-parallel ranks of one pipeline stage, then the stages.
+
+A run has one `Layout` (the loop's build makes it): the degrees, this process's data-parallel rank and the
+run's one DeviceMesh, which the wrappers (stages.common.parallel) and the pipeline split share.
+`layout_problem` is the one check of the degrees against the processes: the train section's
+(TrainConfig.check_layout, before any compute), `Layout.of`, and the launcher's, before it starts them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -40,20 +47,63 @@ def layout_problem(
     return None
 
 
-def shape(processes: int, cfg) -> tuple[int, int, int, int]:
-    """The mesh's size along DIMS for a train section (cfg) on `processes` processes."""
-    tp, pp, replicate = cfg.tensor_parallel, cfg.pipeline_parallel, cfg.data_parallel_replicate
-    dp = processes // (tp * pp)
-    return pp, replicate, dp // replicate, tp
+@dataclass
+class Layout:
+    """One run's layout: its degrees along DIMS, this process's place among the data-parallel ones, and
+    the run's DeviceMesh (made on first use, once). `Layout.of` makes it from a train section and the
+    processes, after the one check of the layout (`layout_problem`, which the launcher runs too)."""
 
+    pipeline: int
+    replicate: int
+    """Data-parallel replicas (HSDP: each replica sharded over `shard` processes)."""
+    shard: int
+    tensor: int
+    rank: int
+    device_type: str = "cpu"
+    _mesh: object = field(default=None, repr=False, compare=False)
 
-def device_mesh(cfg, rt):
-    """The run's DeviceMesh over DIMS (dimensions of size 1 included, so that every name exists)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    @classmethod
+    def of(cls, cfg, rt) -> Layout:
+        """The layout of a train section (cfg) on the processes of `rt`; ValueError naming the key when they
+        cannot form it."""
+        tp, pp, replicate = cfg.tensor_parallel, cfg.pipeline_parallel, cfg.data_parallel_replicate
+        problem = layout_problem(rt.world_size, tp, pp, replicate, cfg.strategy)
+        if problem:
+            raise ValueError(problem)
+        dp = rt.world_size // (tp * pp)
+        return cls(pp, replicate, dp // replicate, tp, rt.rank, rt.device.type)
 
-    return init_device_mesh(rt.device.type, shape(rt.world_size, cfg), mesh_dim_names=DIMS)
+    @property
+    def processes(self) -> int:
+        return self.pipeline * self.data_size * self.tensor
 
+    @property
+    def data_size(self) -> int:
+        """The data-parallel processes: each reads its own share of a step's batch."""
+        return self.replicate * self.shard
 
-def data_mesh(cfg, mesh):
-    """The mesh the data-parallel wrapper runs over: both data dimensions for HSDP, else the shard one."""
-    return mesh["dp_replicate", "dp_shard"] if cfg.data_parallel_replicate > 1 else mesh["dp_shard"]
+    @property
+    def data_rank(self) -> int:
+        """This process's rank among the data-parallel ones. The processes of a tensor-parallel group
+        (consecutive ranks), or of a pipeline, hold one model replica between them and read the same
+        batches (mesh order: pipeline, data, tensor)."""
+        return self.rank // self.tensor % self.data_size
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The mesh's size along DIMS."""
+        return self.pipeline, self.replicate, self.shard, self.tensor
+
+    @property
+    def mesh(self):
+        """The run's DeviceMesh over DIMS (dimensions of size 1 included, so that every name exists)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.device_type, self.shape, mesh_dim_names=DIMS)
+        return self._mesh
+
+    @property
+    def data_mesh(self):
+        """The mesh the data-parallel wrapper runs over: both data dimensions for HSDP, else the shard one."""
+        return self.mesh["dp_replicate", "dp_shard"] if self.replicate > 1 else self.mesh["dp_shard"]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from stages.common import mesh, runtime
-from stages.common.train_config import REDUCE_DTYPES, TrainConfig, data_parallel
+from stages.common.train_config import REDUCE_DTYPES, TrainConfig
 from stages.models import llama
 
 if TYPE_CHECKING:
@@ -31,8 +31,8 @@ def checkpoint_activations(model, cfg: TrainConfig) -> None:
         enable_activation_checkpointing(model, every)
 
 
-def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
-    """Put the model on the device and under DDP or FSDP2 (one process: unwrapped).
+def wrap(model, cfg: TrainConfig, rt: runtime.Runtime, layout: mesh.Layout):
+    """Put the model on the device and under DDP or FSDP2 (one process: unwrapped), laid out as `layout`.
 
     FSDP2 mixed precision: parameters are gathered in the compute dtype (bf16 or fp16; fp32 master
     weights stay sharded) and gradients reduced in `reduce_dtype`. A model with a frozen base (adapters)
@@ -47,14 +47,11 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
     if not rt.distributed:
         return torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     reduce_dtype = REDUCE_DTYPES[cfg.reduce_dtype]
-    if cfg.tensor_parallel > 1 or cfg.data_parallel_replicate > 1:
-        procs = mesh.device_mesh(cfg, rt)
-        if cfg.tensor_parallel > 1:
-            llama.tensor_parallelize(model, procs["tp"])
-        if data_parallel(cfg, rt)[1] == 1:
+    if cfg.tensor_parallel > 1:
+        llama.tensor_parallelize(model, layout.mesh["tp"])
+        if layout.data_size == 1:
             return model
-        return shard(model, cfg, rt, mesh.data_mesh(cfg, procs), reduce_dtype)
-    if cfg.strategy == "ddp":
+    if cfg.strategy == "ddp":  # (tensor parallel with data-parallel copies is FSDP2's: mesh.layout_problem)
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -65,9 +62,7 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime):
             hooks = {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}
             model.register_comm_hook(None, hooks[reduce_dtype])
         return torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return shard(model, cfg, rt, init_device_mesh(rt.device.type, (rt.world_size,)), reduce_dtype)
+    return shard(model, cfg, rt, layout.data_mesh, reduce_dtype)
 
 
 def shard(model, cfg: TrainConfig, rt: runtime.Runtime, data_mesh, reduce_dtype: torch.dtype, root=None):

@@ -6,7 +6,8 @@ gradients over its copies; under fsdp FSDP2 shards the stage over them).
 
 Each process keeps its part of the transformers model itself, with the other parts removed (the
 embedding on the first stage, the final norm and head on the last, its run of decoder layers under
-their own indices), so parameter names are the whole model's: checkpoints (DCP) load under any other
+their own indices; the model's own code, stages.models.llama, cuts the part and runs its forward), so
+parameter names are the whole model's: checkpoints (DCP) load under any other
 layout, and the published model is the parts gathered on rank 0.
 """
 
@@ -50,75 +51,37 @@ def layout_problem(n_layers: int, stages: int, micro_batches: int, tied_embeddin
     return None
 
 
-def keep_part(model, stage: int, stages: int) -> None:
-    """Remove from `model` (in place) what `stage` does not run."""
-    inner = model.model
-    own = stage_layers(len(inner.layers), stages, stage)
-    for name in list(inner.layers._modules):
-        if int(name) not in own:
-            del inner.layers._modules[name]  # the kept layers keep their indices (names)
-    if stage > 0:
-        inner.embed_tokens = None
-    if stage < stages - 1:
-        inner.norm = None
-        model.lm_head = None
-    setattr(model, PART, True)
-
-
-class StageModule(torch.nn.Module):
-    """One stage's forward: token ids (first stage) or hidden states in, hidden states or logits (last) out;
-    the layers run as in transformers' LlamaModel (rotary embeddings and causal mask from the positions)."""
-
-    def __init__(self, model, first: bool, last: bool):
-        super().__init__()
-        self.lm, self.first, self.last = model, first, last
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        inner = self.lm.model
-        hidden = inner.embed_tokens(x) if self.first else x
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=inner.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=positions
-        )
-        rotary = inner.rotary_emb(hidden, position_ids=positions)
-        for layer in inner.layers:
-            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
-        if self.last:
-            hidden = self.lm.lm_head(inner.norm(hidden))
-        return hidden
-
-
 class Pipeline:
     """This process's stage of the model and the schedule that runs a step's micro-batches through all
     stages. The losses are the loop's (summed cross-entropy times the step's scale), so the gradients
     are those of the one-process run; the schedule does not rescale them."""
 
-    def __init__(self, model, cfg, micro_batches: int, rt: runtime.Runtime):
+    def __init__(self, model, cfg, micro_batches: int, rt: runtime.Runtime, layout: mesh.Layout):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         stages = cfg.pipeline_parallel
         # (a mesh when a stage runs on several processes: data-parallel copies, tensor-parallel ranks)
-        procs = mesh.device_mesh(cfg, rt) if rt.world_size > stages else None
+        procs = layout.mesh if rt.world_size > stages else None
         self.stage = procs["pp"].get_local_rank() if procs else rt.rank
         self.group = procs["pp"].get_group() if procs else torch.distributed.group.WORLD  # (a pipeline's stages)
         self.first, self.last = self.stage == 0, self.stage == stages - 1
-        keep_part(model, self.stage, stages)
+        own = stage_layers(len(llama.decoder_layers(model)), stages, self.stage)
+        llama.keep_stage_part(model, own, self.first, self.last)
+        setattr(model, PART, True)
         self.model = model.to(rt.device)  # (this stage's part only)
         self.cfg = cfg
         if cfg.tensor_parallel > 1:  # (3D: each stage's layers split like a whole model's)
             llama.tensor_parallelize(model, procs["tp"])
         self.scale = 1.0
         self.device = rt.device
-        module = StageModule(model, self.first, self.last)
+        module = llama.StageForward(model, self.first, self.last)
         # Under ddp the loop averages the stage's gradients over its replicas after the step: one flat
         # all-reduce, the bytes DDP's buckets would send, without DDP's bucket rebuilding, which fails
         # under a schedule's partial backward passes here (torch 2.13, gloo).
         copies = procs is not None and procs["dp_replicate"].size() * procs["dp_shard"].size() > 1
         self.replicas = procs["dp_shard"].get_group() if copies and cfg.strategy == "ddp" else None
         if copies and cfg.strategy == "fsdp":
-            module = shard_stage(module, cfg, rt, procs)
+            module = shard_stage(module, cfg, rt, layout)
         # One process per stage sends its part when the model is published (its copies and tensor-parallel
         # peers hold the same part).
         others = ("dp_replicate", "dp_shard", "tp")
@@ -151,11 +114,11 @@ class Pipeline:
         return torch.stack([loss.detach().float() for loss in losses]).sum()
 
 
-def shard_stage(module: StageModule, cfg, rt: runtime.Runtime, procs) -> StageModule:
+def shard_stage(module: llama.StageForward, cfg, rt: runtime.Runtime, layout: mesh.Layout) -> llama.StageForward:
     """A stage's module under FSDP2 over its replicas (the processes that run the same stage on other
     batches): per decoder layer and over the stage. The schedule syncs gradients after the step's last
     backward only (pipelining drives FSDP2's gradient sync)."""
-    shard(module.lm, cfg, rt, mesh.data_mesh(cfg, procs), REDUCE_DTYPES[cfg.reduce_dtype], root=module)
+    shard(module.lm, cfg, rt, layout.data_mesh, REDUCE_DTYPES[cfg.reduce_dtype], root=module)
     return module
 
 

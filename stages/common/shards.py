@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from stages.common.config import UserError
+
 FORMAT = "flat little-endian token ids, no header"
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -57,8 +59,6 @@ def check_split(folder: str | Path, split: str) -> None:
     """Every shard of the split is present and holds the ids meta.json counts (all but the last
     `shard_tokens`, the last the rest): a truncated, padded or missing shard is one clear error, raised
     before any compute, naming the file and the fix."""
-    from stages.common.config import UserError
-
     folder = Path(folder)
     meta = read_meta(folder)
     if split not in meta["splits"]:

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stages.common import atomic, ckpt, config, provenance, registry, runtime, track
+from stages.common import atomic, ckpt, config, digest, provenance, registry, runtime, track
 
 STOPPED_EXIT_CODE = 143
 if TYPE_CHECKING:  # (the training stack is the training stages' own import)
@@ -135,7 +135,7 @@ def launch(section: str, body, train: TrainConfig | None = None):
 
 def inputs_hash(paths, rt: runtime.Runtime) -> str:
     """The content hash of a stage's inputs, computed by rank 0 and shared with every rank."""
-    return runtime.broadcast_object(ckpt.hash_files(paths) if rt.is_main else None)
+    return runtime.broadcast_object(digest.hash_files(paths) if rt.is_main else None)
 
 
 def record_tags(section: str) -> dict:

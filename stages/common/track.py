@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from stages.common import runtime
+from stages.common.config import UserError
 
 EXPERIMENT = os.environ.get("MLFLOW_EXPERIMENT_NAME", "pipeline")
 # The experiment's kind: model training, not a GenAI app. (MLflow 3.17's UI picks its views from a
@@ -63,8 +64,6 @@ def tracking_off() -> bool:
     """`PIPELINE_TRACKING=off`: stages log nothing to MLflow (a machine without it); outputs are unchanged."""
     value = os.environ.get("PIPELINE_TRACKING", "on").strip().lower()
     if value not in ("on", "off"):
-        from stages.common.config import UserError
-
         raise UserError(f"PIPELINE_TRACKING must be 'on' or 'off', got {value!r}")
     return value == "off"
 
@@ -301,7 +300,16 @@ def experiment(root: Path):
     import mlflow
 
     uri = tracking_uri(root)
-    client = mlflow.MlflowClient(uri)
+    if uri.startswith("sqlite:"):
+        # MLflow makes a new SQLite store's tables when a client first opens it, which fails in a process
+        # that does it beside another ("table ... already exists"): one opening at a time.
+        lock_path = parent_lock(root)
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock_path, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            client = mlflow.MlflowClient(uri)
+    else:
+        client = mlflow.MlflowClient(uri)
     exp = client.get_experiment_by_name(EXPERIMENT)
     if exp is None:
         location = (root / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
@@ -349,8 +357,6 @@ def system_metrics_off() -> bool:
     """`PIPELINE_SYSTEM_METRICS=off`: no per-node system metrics (the stage's own metrics are unchanged)."""
     value = os.environ.get("PIPELINE_SYSTEM_METRICS", "on").strip().lower()
     if value not in ("on", "off"):
-        from stages.common.config import UserError
-
         raise UserError(f"PIPELINE_SYSTEM_METRICS must be 'on' or 'off', got {value!r}")
     return value == "off"
 
@@ -399,8 +405,6 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
     # Rank 0 only (some stages open their run on rank 0 alone); under torchrun its exit stops the others.
     problem = server_problem(tracking_uri())
     if problem:
-        from stages.common.config import UserError
-
         raise UserError(
             f"MLflow tracking server {tracking_uri()} is unreachable ({problem}); start it, point "
             f"MLFLOW_TRACKING_URI at a running one, or unset it to track to ./mlflow.db"

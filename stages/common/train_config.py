@@ -182,14 +182,6 @@ class AdapterTrainConfig(TrainConfig):
     FROZEN_BASE: ClassVar[bool] = True
 
 
-def data_parallel(cfg: TrainConfig, rt: runtime.Runtime) -> tuple[int, int]:
-    """(rank, size) of this process among the data-parallel ones. The processes of a tensor-parallel group
-    (consecutive ranks), or of a pipeline, hold one model replica between them and read the same batches
-    (mesh order: pipeline, data, tensor)."""
-    size = rt.world_size // (cfg.tensor_parallel * cfg.pipeline_parallel)
-    return rt.rank // cfg.tensor_parallel % size, size
-
-
 def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
     """Micro-batches per optimizer step with `world_size` data-parallel processes."""
     per_step = cfg.micro_batch_size * world_size

@@ -1,9 +1,12 @@
 """The Llama model's own parallel plans (transformers' LlamaForCausalLM, also under a PEFT wrapper):
-its decoder layers (each one FSDP unit), its tensor-parallel plan, and which degrees its shapes allow."""
+its decoder layers (each one FSDP unit), its tensor-parallel plan, which degrees its shapes allow, and
+its pipeline-stage part and forward (stages.common.pipeline runs them)."""
 
 from __future__ import annotations
 
 import operator
+
+import torch
 
 
 def decoder_layers(model):
@@ -72,3 +75,44 @@ def tensor_parallel_problem(model_config, degree: int) -> str | None:
         if value % degree:
             return f"the model's {value} {name} are not divisible by tensor_parallel {degree}"
     return None
+
+
+def keep_stage_part(model, layers: range, first: bool, last: bool) -> None:
+    """Remove from `model` (in place) what a pipeline stage running decoder `layers` does not run: the
+    other layers (the kept ones keep their indices, so their parameter names are the whole model's), the
+    embedding unless `first`, the final norm and the head unless `last`."""
+    inner = model.model
+    for name in list(inner.layers._modules):
+        if int(name) not in layers:
+            del inner.layers._modules[name]
+    if not first:
+        inner.embed_tokens = None
+    if not last:
+        inner.norm = None
+        model.lm_head = None
+
+
+class StageForward(torch.nn.Module):
+    """One pipeline stage's forward: token ids (first stage) or hidden states in, hidden states or logits
+    (last) out; the layers run as in transformers' LlamaModel (rotary embeddings and causal mask from the
+    positions)."""
+
+    def __init__(self, model, first: bool, last: bool):
+        super().__init__()
+        self.lm, self.first, self.last = model, first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        inner = self.lm.model
+        hidden = inner.embed_tokens(x) if self.first else x
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=inner.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=positions
+        )
+        rotary = inner.rotary_emb(hidden, position_ids=positions)
+        for layer in inner.layers:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+        if self.last:
+            hidden = self.lm.lm_head(inner.norm(hidden))
+        return hidden

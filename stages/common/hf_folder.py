@@ -1,0 +1,36 @@
+"""Hugging Face model folders as stages read them: what a model (or PEFT adapter) folder lacks of its
+weights, before any compute."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def weights_problem(folder: str | Path, adapter: bool = False) -> str | None:
+    """What a Hugging Face model folder (or PEFT adapter folder) lacks of its weights: every weight file
+    (single or sharded), or a shard its index names. None when they are all there."""
+    from transformers.utils import (
+        ADAPTER_SAFE_WEIGHTS_NAME,
+        ADAPTER_WEIGHTS_NAME,
+        SAFE_WEIGHTS_INDEX_NAME,
+        SAFE_WEIGHTS_NAME,
+        WEIGHTS_INDEX_NAME,
+        WEIGHTS_NAME,
+    )
+
+    folder = Path(folder)
+    names = (
+        (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
+        if adapter
+        else (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+    )
+    found = [name for name in names if (folder / name).is_file()]
+    if not found:
+        return f"has no weights ({' or '.join(names)})"
+    if found[0].endswith(".index.json"):  # sharded: every shard the index names must be there
+        shards = json.loads((folder / found[0]).read_text())["weight_map"].values()
+        missing = sorted(f for f in set(shards) if not (folder / f).is_file())
+        if missing:
+            return f"lacks {missing[0]} (listed in {found[0]})"
+    return None
