@@ -12,7 +12,7 @@ export PIPELINE_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shar
 TORCH_INDEX := $(if $(shell command -v nvidia-smi),,--extra-index-url https://download.pytorch.org/whl/cpu)
 MLFLOW_PORT ?= 5000
 
-.PHONY: run lint test test-system venv dag bench mlflow-ui html-report plots exp-show lock clean
+.PHONY: run lint test test-system venv dag bench mlflow-ui html-report plots exp-show push lock clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -91,6 +91,12 @@ exp-show:
 # DVC's plots of the last run, offline: dvc_plots/index.html (plain `dvc plots show` loads Vega from a CDN).
 plots: $(PLOTS_TEMPLATE)
 	dvc plots show --html-template $(PLOTS_TEMPLATE)
+
+# The results to the DVC remote, so that other machines pull them and `dvc repro --pull` restores any stage
+# run here from the run cache: dvc push, dvc push --run-cache, and the files those leave behind
+# (pipelines/share.py).
+push:
+	python -m pipelines.share push
 
 # Re-resolve requirements.in and pin the result (torch stays at the version the Makefile installs).
 lock: $(STAMP)

@@ -1,13 +1,18 @@
 """Check the chain of records behind a pipeline run, link by link, in the repository it ran in.
 
     python -m pipelines.verify                      every link of this run
+    python -m pipelines.verify --rehash             the outs hashed from their bytes, not DVC's records
     python -m pipelines.verify --against PATH       also compare each out with another run's: PATH is a
                                                     dvc.lock, or a folder holding one (and its outs)
 
 The links, from what a reader sees back to what made it:
   report    each row of reports/results.json equals the figure it came from (a stage's results.json
             row, an eval_perplexity figures.json perplexity) and each stage's figures equal its file
-  outs      each out of dvc.lock is on disk with the md5 dvc.lock records
+  outs      each out of dvc.lock is on disk with the md5 dvc.lock records. `dvc status` reuses the
+            hashes it recorded for files whose size and time did not change, so a file changed in
+            place without either, or a damaged object of DVC's cache checked out (`dvc pull` and
+            `dvc checkout` trust the cache), passes it; --rehash hashes every out's bytes instead
+            and names each file that differs from the listing dvc.lock's md5 stands for
   causes    each stage's code, params and packages (its deps in dvc.lock) are those of this checkout
   registry  each registered model has a version registered from its stage's out as dvc.lock records
             it (output_dvc_md5), from these params (params_sha256) and this code (code_sha256); the
@@ -171,6 +176,65 @@ def current_section(stage: str, root: Path) -> dict:
     return config.as_dict(config.load(cls, name, root / "params.yaml", overrides))
 
 
+def rehash_outs(root: Path, lock: dict, r: Report) -> None:
+    """Each DVC-cached out of dvc.lock hashed from its bytes now, as DVC hashes it (a folder: the md5 of
+    its file listing), against dvc.lock; a folder that differs is named down to its files, from the
+    listing in DVC's cache."""
+    from dvc.repo import Repo
+    from dvc_data.hashfile.build import build
+    from dvc_data.hashfile.db import HashFileDB
+
+    with Repo(str(root)) as repo:
+        cache = repo.cache.local
+        # the cache's folder without its state database (the recorded hashes --rehash must not reuse)
+        stateless = HashFileDB(cache.fs, cache.path, read_only=True, hash_name=cache.hash_name)
+        for path, (stage, md5) in sorted(lock_outs(lock).items()):
+            if path.startswith(f"{MEASURED_DIR}/"):
+                continue  # (not cached: git holds it, and what it measured differs from run to run)
+            if not (root / path).exists():
+                r.bad("outs", f"{path} is missing", f"dvc checkout {path} (or dvc pull {path})")
+                continue
+            _, _, obj = build(stateless, str(root / path), repo.fs, "md5", ignore=repo.dvcignore, dry_run=True)
+            if obj.hash_info.value == md5:
+                r.ok("outs", f"{path} {md5} (rehashed)")
+                continue
+            recorded = {"": md5}  # (file path below the out: md5 recorded)
+            if md5.endswith(".dir"):
+                listing = read_json(Path(cache.oid_to_path(md5))) or []
+                recorded = {entry["relpath"]: entry["md5"] for entry in listing}
+                now = {"/".join(key): hi.value for key, _, hi in obj}
+            else:
+                now = {"": obj.hash_info.value}
+            for rel in sorted(set(now) | set(recorded)):
+                if now.get(rel) == recorded.get(rel):
+                    continue
+                name = f"{path}/{rel}" if rel else path
+                want = recorded.get(rel)
+                damaged = want is not None and file_md5(Path(cache.oid_to_path(want))) != want
+                if want is None:
+                    what, mend = "is not in the listing dvc.lock records", f"dvc checkout --relink {path}"
+                elif damaged:
+                    obj_path = Path(cache.oid_to_path(want))
+                    shown = obj_path.relative_to(root) if obj_path.is_relative_to(root) else obj_path
+                    what = f"differs from dvc.lock (md5 {want}), and so does DVC's cache object {shown}"
+                    mend = f"rm -f {name} {shown} && dvc pull {path} (or dvc repro -f -s {stage})"
+                else:
+                    what = f"differs from dvc.lock (md5 {want}); DVC's cache holds the recorded bytes"
+                    mend = f"dvc checkout --relink {path} (or dvc repro -f -s {stage})"
+                r.bad("outs", f"{name} {what}", mend)
+
+
+def file_md5(path: Path) -> str | None:
+    """md5 of a file's bytes (None when it is missing)."""
+    import hashlib
+
+    try:
+        with open(path, "rb") as fh:
+            return hashlib.file_digest(fh, "md5").hexdigest()
+    except OSError:
+        return None
+
+
 def check_registry(root: Path, lock: dict, r: Report) -> None:
     import mlflow
 
@@ -284,6 +348,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines.verify", description=__doc__.splitlines()[0])
     parser.add_argument("--against", type=Path, help="another run's dvc.lock, or a folder holding one")
     parser.add_argument("--root", type=Path, default=Path("."), help="the repository (default: here)")
+    parser.add_argument("--rehash", action="store_true", help="hash every out's bytes (slower: reads them all)")
     args = parser.parse_args(argv)
     root = args.root.resolve()
     if args.against is not None and not (args.against.is_file() or (args.against / "dvc.lock").is_file()):
@@ -298,6 +363,8 @@ def main(argv=None) -> int:
     r = Report()
     check_report(root, r)
     check_status(root, lock, r)
+    if args.rehash:
+        rehash_outs(root, lock, r)
     check_registry(root, lock, r)
     check_checkpoints(root, r)
     print(f"{r.broken} broken link(s)" if r.broken else "every link holds")

@@ -25,6 +25,7 @@ ORDER = [
     "tests/test_e2e_records.py",
     "tests/test_e2e_reproduce.py",
     "tests/test_e2e_experiments.py",
+    "tests/test_e2e_remote.py",
     "tests/system/test_browser.py",
     "tests/test_extend_context.py",
     "tests/test_finetune_qlora.py",

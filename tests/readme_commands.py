@@ -55,6 +55,7 @@ HOW: dict[str, tuple[str, str]] = {
     "--output data/tokenize": ("marked", "needs podman and root (tests/system/test_containers.py)"),
     "cat reports/results.md": ("run", ""),
     "python -m pipelines.verify": ("run", "every link holds after the pipeline"),
+    "python -m pipelines.verify --rehash": ("run", "every out's bytes are those dvc.lock records"),
     "python -m pipelines.verify --against published.lock": (
         "marked",
         "needs another run's dvc.lock (tests/test_e2e_records.py compares with one)",
@@ -75,9 +76,13 @@ HOW: dict[str, tuple[str, str]] = {
     "dvc exp apply <experiment>": ("marked", "needs an experiment (tests/test_e2e.py makes one)"),
     "dvc exp branch <experiment> <branch>": ("marked", "needs an experiment"),
     "dvc exp remove <experiment>": ("marked", "needs an experiment"),
-    "dvc remote add -d store s3://bucket/pipeline-cache": ("marked", "network: a cloud bucket and credentials"),
-    "dvc push": ("marked", "network: needs the remote above"),
-    'git add .dvc/config dvc.lock && git commit -m "results"': ("marked", "commits in the user's repository"),
+    "dvc remote add -d store /shared/project/dvc-store": ("run", "writes .dvc/config only"),
+    'git add .dvc/config && git commit -m "the team remote"': ("marked", "commits in the user's repository"),
+    "make push": ("make", "tests/test_e2e_remote.py pushes to a folder remote and pulls in fresh clones"),
+    'git add dvc.lock measured && git commit -m "results" && git push': (
+        "marked",
+        "commits and pushes in the user's repository",
+    ),
     "python -m stages.eval_perplexity --models models:/pretrain@reproduced --input data/tokenize "
     "--output data/eval_perplexity/registered": (
         "marked",
