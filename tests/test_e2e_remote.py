@@ -2,19 +2,24 @@
 shared ci run (tests/shared_run.py): `make push` there; a fresh clone of the same commit pulls and nothing
 re-runs; a clone without dvc.lock's records restores every stage from the run cache without running one;
 a damaged object of DVC's cache, or an out changed in place, which DVC's own checks pass, is named by
-`python -m pipelines.verify --rehash` with the command that mends it."""
+`python -m pipelines.verify --rehash` with the command that mends it; a push killed half-way is completed
+by the next one."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import random
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
-from shared_run import copy_of_run, sh
+from shared_run import BIN, copy_of_run, env_for, sh
 from test_e2e import UP_TO_DATE, dvc_ran
 
 pytestmark = pytest.mark.e2e
@@ -127,3 +132,38 @@ def test_an_ssh_remote_is_supported_by_what_is_installed(origin):
     closed port)."""
     out = sh("dvc remote add server ssh://127.0.0.1:9/dvc-store && dvc push -r server", origin, check=False)
     assert "requires 'dvc-ssh'" not in out and "Connect call failed ('127.0.0.1', 9)" in out, out
+
+
+def test_a_push_killed_half_way_is_completed_by_the_next_and_a_pull_gets_every_file_whole(tmp_path):
+    """`dvc push` SIGKILLed once part of the objects are on the remote: none there is partial (DVC writes
+    each under a temporary name first), the next push sends the rest, and a fresh clone pulls every file
+    equal to the original."""
+    repo, store = tmp_path / "repo", tmp_path / "store"
+    (repo / "data").mkdir(parents=True)
+    rng = random.Random(0)
+    for i in range(200):
+        (repo / "data" / f"{i:03}").write_bytes(rng.randbytes(1 << 20))
+    sh(f"git init -q && dvc init -q && dvc add -q data && dvc remote add -d store {store}", repo)
+    sh(f"git add -A && {GIT} commit -qm data", repo)
+
+    def objects() -> list[Path]:  # (a temporary file of an unfinished copy starts with a dot)
+        return [p for p in store.rglob("*") if p.is_file() and not p.name.startswith(".")]
+
+    push = subprocess.Popen(
+        [str(BIN / "dvc"), "push", "-j", "1"], cwd=repo, env=env_for(repo), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(objects()) < 10 and push.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.killpg(push.pid, signal.SIGKILL)
+    push.wait()
+    there = objects()
+    assert 0 < len(there) < 201, f"the push was not stopped half-way ({len(there)} of 201 objects there)"
+    for obj in there:  # files/md5/<2 hex>/<30 hex>[.dir]: each named by the md5 of its bytes
+        assert hashlib.md5(obj.read_bytes()).hexdigest() == obj.parent.name + obj.name.removesuffix(".dir"), obj
+    assert "files pushed" in sh("dvc push", repo)
+    assert len(objects()) == 201
+    other = tmp_path / "other"
+    sh(f"git clone -q {repo} {other} && cd {other} && dvc pull -q", tmp_path)
+    assert all((other / "data" / f.name).read_bytes() == f.read_bytes() for f in (repo / "data").iterdir())
