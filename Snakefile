@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import uuid
+from pathlib import Path
 
 import yaml
 
@@ -47,7 +48,9 @@ if workflow.is_main_process and not config.get("dump_rules"):
             f"two runs here would rebuild the same outputs. `snakemake -n` shows the plan meanwhile"
         )
     try:
-        check_params("params.yaml")  # a bad key fails here, before Snakemake removes any output
+        # a bad key fails here, before Snakemake removes any output (a check that passed is not made again
+        # for the same params and stage code)
+        check_params("params.yaml", memo=Path(".snakemake/params-checked"))
     except ConfigError as e:
         raise WorkflowError(str(e)) from None
     if running:  # a dry run beside a running pipeline: that run owns dvc.lock and the outputs' times

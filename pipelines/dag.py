@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import os
 import re
 import subprocess
 import sys
@@ -93,17 +94,35 @@ class Stage:
         return f"{LAUNCH} {self.name}{'@${item}' if self.foreach else ''} {args.strip()}".strip()
 
 
-def check_params(params: str | Path = "params.yaml") -> None:
+def check_params(params: str | Path = "params.yaml", memo: Path | None = None) -> None:
     """Check every stage's params section against the stage's Config, as the stage itself would. The
     Snakefile calls it when it loads, so a bad key stops the invocation before any job starts (a job
     that failed on it would have cost the stage its previous outputs, which Snakemake removes first).
-    Raises config.ConfigError naming the key."""
+    Raises config.ConfigError naming the key.
+
+    memo: a file holding the hash of what the last check that passed read (the params file, the stage
+    table, every module under stages/, the Python version); when the hash is the same, the check is
+    not made again, sparing each Snakemake invocation the import of every stage (and of torch)."""
+    import hashlib
     import importlib
 
     from stages.common import config
 
+    digest = None
+    if memo is not None:
+        h = hashlib.sha256(sys.version.encode())
+        for path in [Path(params), TABLE, *sorted((ROOT / "stages").rglob("*.py"))]:
+            h.update(f"\0{path}\0".encode() + (path.read_bytes() if path.is_file() else b"(missing)"))
+        digest = h.hexdigest()
+        if memo.is_file() and memo.read_text() == digest:
+            return
     for st in load_table().values():
         config.load(importlib.import_module(f"stages.{st.name}").Config, st.name, params)
+    if memo is not None:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        tmp.write_text(digest)
+        tmp.replace(memo)
 
 
 def is_dir(path: str) -> bool:

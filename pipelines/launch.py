@@ -204,6 +204,16 @@ def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
     return [*torchrun, "--standalone", f"--nproc-per-node={nproc}", *module]
 
 
+def sigterm_when_orphaned() -> None:
+    """In the child, before it runs the stage: SIGTERM when this launcher exits, however it dies (Linux's
+    PR_SET_PDEATHSIG; stages.common.runtime.die_with_parent does the same for a stage's own children,
+    but imports torch, which this launcher never needs)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+
+
 def forget_snakemake_records(stage: str) -> None:
     name, _, item = stage.partition("@")
     outs = [fill(o, item or None) for o in load_table()[name].outputs()]
@@ -233,8 +243,6 @@ def main() -> None:
     # The child runs in a process group of its own, so Ctrl-C at a terminal reaches it once, through
     # this launcher (torchrun's shutdown breaks on a second signal), and it dies with the launcher:
     # killed with it, even by SIGKILL, it gets SIGTERM and its stage saves a checkpoint.
-    from stages.common.runtime import die_with_parent
-
     # A stage stopped by a signal (checkpoint saved) leaves this file behind: torchrun reports its
     # workers' exit 143 as its own exit 1, and the launcher exits 143 for it.
     stopped = Path(tempfile.gettempdir()) / f"pipeline-stopped-{os.getpid()}"
@@ -253,7 +261,7 @@ def main() -> None:
     child = subprocess.Popen(
         cmd,
         process_group=0,
-        preexec_fn=die_with_parent,
+        preexec_fn=sigterm_when_orphaned,
         stdin=subprocess.DEVNULL,
         env={
             **base,

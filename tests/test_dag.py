@@ -16,6 +16,7 @@ import yaml
 from conftest import ROOT, ci_params, stage_env
 
 from pipelines import dag
+from stages.common import config
 
 
 def copy_repo(dest):
@@ -214,6 +215,25 @@ def test_a_bad_params_key_stops_snakemake_before_any_job(tmp_path):
     assert proc.returncode != 0
     assert "unknown key pretrain.stpes; valid keys are:" in proc.stdout + proc.stderr, proc.stderr[-2000:]
     assert (repo / "data/pretrain/meta.json").read_text() == "{}", "the old output is untouched"
+
+
+def test_a_params_check_that_passed_is_not_made_again_until_the_params_change(tmp_path, monkeypatch):
+    """The Snakefile's check imports every stage (and torch) once per params and stage code: a memo of
+    the last check that passed spares the next invocations that, and never lets a bad key through."""
+    params, memo = ci_params(tmp_path), tmp_path / ".snakemake/params-checked"
+    dag.check_params(params, memo=memo)
+    assert memo.is_file()
+    import importlib
+
+    def no_import(name, *args):
+        raise AssertionError(f"imported {name} for params already checked")
+
+    monkeypatch.setattr(importlib, "import_module", no_import)
+    dag.check_params(params, memo=memo)  # the same params and code: not checked again
+    monkeypatch.undo()
+    params.write_text(params.read_text().replace("\n  context_length: 64", "\n  context_length: 64\n  stpes: 3", 1))
+    with pytest.raises(config.ConfigError, match="unknown key pretrain.stpes"):
+        dag.check_params(params, memo=memo)
 
 
 def test_only_what_dvc_would_rerun_is_made_stale_for_snakemake():

@@ -7,6 +7,7 @@ TP 2 -> PP 2 x FSDP 2 -> one process. The parallelism study's bytes sent equal t
 from __future__ import annotations
 
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -69,15 +70,16 @@ def test_layouts_train_like_one_process_resume_exactly_and_checkpoints_move_betw
     for name in ("tp2", "pp2"):
         nproc, args = layouts[name]
         kill(tokenized, f"par-same-{name}", nproc, args, 6, None, f"ckpts-par-{name}")
+        if name == "tp2":  # TP 2's steps 2 and 4, for the run across layouts below
+            shutil.copytree(tokenized / "ckpts-par-tp2", tokenized / "ckpts-par-moves")
         resumed = resume(tokenized, f"par-same-{name}", nproc, args, 4, f"ckpts-par-{name}")
         np.testing.assert_array_equal(resumed, curves[name])
-    # Across layouts, one checkpoint folder for all of them: TP 2 dies at step 4 (step 2 kept), two
-    # pipelines of 2 stages (1F1B), each stage FSDP2-sharded over its 2 copies, resume it and die at step 6
-    # (step 4 kept), one process resumes that and finishes.
-    kill(tokenized, "par-moves", 2, layouts["tp2"][1], 4, None, "ckpts-par-moves")
+    # Across layouts, one checkpoint folder for all of them: TP 2's step 4 (written above, before it died),
+    # resumed by two pipelines of 2 stages (1F1B), each stage FSDP2-sharded over its 2 copies, which die at
+    # step 8 (step 6 kept); one process resumes that and finishes.
     pp_fsdp = [*every, "train.pipeline_parallel=2", "train.strategy=fsdp"]
-    kill(tokenized, "par-moves", 4, pp_fsdp, 6, 2, "ckpts-par-moves")
-    moved = resume(tokenized, "par-moves", 1, every, 4, "ckpts-par-moves")
+    kill(tokenized, "par-moves", 4, pp_fsdp, 8, 4, "ckpts-par-moves")
+    moved = resume(tokenized, "par-moves", 1, every, 6, "ckpts-par-moves")
     difference = max_relative_difference(moved, ref)
     print(f"TP 2 -> PP 2 x FSDP 2 -> one process: largest relative loss difference from one process {difference:.2e}")
     np.testing.assert_allclose(moved, ref, rtol=RTOL)
