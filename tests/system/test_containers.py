@@ -44,9 +44,10 @@ def test_gnn_image_build_is_skipped_here():
 
 
 class Podman:
-    """podman as root in a private storage folder (vfs) with runc, and the ulimits these machines allow."""
+    """podman as root in a private storage folder (`driver`: overlay or vfs) with runc, and the ulimits these
+    machines allow."""
 
-    def __init__(self, root: Path, runroot: Path):
+    def __init__(self, root: Path, runroot: Path, driver: str):
         self.root = root
         self.base = [
             "podman",
@@ -55,7 +56,7 @@ class Podman:
             "--runroot",
             str(runroot),
             "--storage-driver",
-            "vfs",
+            driver,
             "--runtime",
             "runc",
             "--cgroup-manager",
@@ -81,11 +82,17 @@ def podman(tmp_path_factory):
     # podman refuses a runroot path over 50 characters, which pytest's numbered temporary folders pass
     # (/tmp/pytest-of-root/pytest-12/popen-gw1/podman0/run): a short one of its own.
     runroot = Path(tempfile.mkdtemp(prefix="podman-run-"))
-    pm = Podman(work, runroot)
+    # overlay where the kernel mounts it over this filesystem (podman checks that in `info`); vfs, which
+    # copies the whole image for every layer and container, elsewhere
+    pm = Podman(work, runroot, "overlay")
+    if pm("info", check=False, timeout=120).returncode != 0:
+        subprocess.run(["rm", "-rf", str(work / "storage")])
+        pm = Podman(work, runroot, "vfs")
+    print("podman storage driver:", pm.base[pm.base.index("--storage-driver") + 1])
     try:
         yield pm
     finally:
-        # Images in vfs storage take several GB: remove them and the storage with them.
+        # Images take several GB (vfs: more): remove them and the storage with them.
         pm("rmi", "--all", "--force", check=False, timeout=600)
         subprocess.run(["rm", "-rf", str(work / "storage"), str(runroot)])
 
@@ -152,7 +159,7 @@ def lm_image(podman, base_image, tmp_path_factory) -> str:
         timeout=1800,
     )
     assert proc.returncode == 0, f"pip download of requirements.lock failed:\n{proc.stderr[-4000:]}"
-    # --layers=false: one commit at the end; with vfs every intermediate layer is a full copy of the image.
+    # --layers=false: one commit at the end (with vfs every intermediate layer is a full copy of the image).
     podman(
         "build",
         "--pull=never",
@@ -189,7 +196,7 @@ def run_in(podman, image: str, *cmd: str, volumes=(), env=()) -> subprocess.Comp
 
 def test_lm_image_runs_a_stage(podman, lm_image, tmp_path, mirror):
     # The image's own code (PYTHONPATH=/opt/pipeline); the work folder holds only params.yaml. One
-    # container for both commands: with vfs, each new container copies the whole image.
+    # container for both commands (with vfs, each new container copies the whole image).
     inside = tmp_path / "inside"
     inside.mkdir()
     ci_params(inside)

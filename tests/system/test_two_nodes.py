@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import slurm
-from workspace import BIN, assert_same_outputs, env_for, local_run, make_clone, sh
+from workspace import BIN, assert_same_outputs, copy_of_run, env_for, local_run, make_clone, sh
 
 from pipelines import dag
 from stages.common import ckpt
@@ -346,13 +347,14 @@ def test_launcher_expands_the_allocation_hostlist(two_nodes):
 def test_warning_signal_checkpoints_requeues_and_resumes(two_nodes, tmp_path_factory, mirror):
     """A one-node training job preempted with SLURM's warning signal checkpoints and exits, the job is
     requeued (on either node: the filesystem is shared), and its second start resumes where it stopped."""
-    work = make_clone(tmp_path_factory.mktemp("preempt"))
-    sh("snakemake --profile pipelines/profiles/local --cores 2 tokenize", work)
+    # tokenize's output from a copy of the ci run shared by the tests; none of its checkpoints
+    work = copy_of_run(tmp_path_factory.mktemp("preempt") / "run")
+    shutil.rmtree(work / "checkpoints")
     script = work / "pretrain.sbatch"
     # exec: the batch shell is the launcher itself, so `scancel --batch --signal` reaches it.
     script.write_text(
         "#!/bin/bash\nexec python -m pipelines.launch pretrain --input data/tokenize "
-        "--output data/pretrain train.steps=400 train.checkpoint_every=10 train.eval_every=400 train.log_every=10\n"
+        "--output data/preempted train.steps=400 train.checkpoint_every=10 train.eval_every=400 train.log_every=10\n"
     )
     log = work / "pretrain.log"
     job_id = subprocess.run(
@@ -401,4 +403,4 @@ def test_warning_signal_checkpoints_requeues_and_resumes(two_nodes, tmp_path_fac
     assert stopped and resumed, text[-3000:]
     assert resumed.group(1) == stopped.group(1), "the second start resumes where the first stopped"
     assert "requeueing job " + job_id in text
-    assert json.loads((work / "data/pretrain/meta.json").read_text())["step"] == 400
+    assert json.loads((work / "data/preempted/meta.json").read_text())["step"] == 400

@@ -12,11 +12,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from shared_run import BIN, MIRROR, ROOT, env_for, make_clone, output_hashes, sh, shared_run
+from shared_run import BIN, MIRROR, ROOT, copy_of_run, env_for, make_clone, output_hashes, sh, shared_run
 
 from pipelines import dag
 
-__all__ = ["BIN", "MIRROR", "ROOT", "env_for", "make_clone", "output_hashes", "sh"]
+__all__ = ["BIN", "MIRROR", "ROOT", "copy_of_run", "env_for", "make_clone", "output_hashes", "sh"]
 
 
 def local_run() -> Path:
