@@ -2,12 +2,15 @@
 the tests (tests/shared_run.py: `snakemake --profile pipelines/profiles/local` in a fresh clone).
 
 Both tools must agree on what is current: re-running either with nothing changed runs nothing; a params
-change re-runs the stage and what follows; a deleted output re-runs only its stage and dependents;
+change re-runs the stage and what follows (one of them as a DVC experiment, which `dvc exp show`, `dvc
+metrics show` and `dvc plots show` then display); a deleted output re-runs only its stage and dependents;
 after one tool runs, the other sees everything up to date. MLflow groups each invocation's runs.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import re
@@ -135,9 +138,13 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     assert snakemake_ran(sh("snakemake --cores 2 -n", clone)) == DOWNSTREAM
     (clone / "params.yaml").write_text(params)
     assert UP_TO_DATE in sh("dvc status", clone)
-    # A real re-run through DVC, on a stage near the end of the DAG (the chain after tokenize takes minutes).
-    set_growth(clone, 1.3)
-    assert dvc_ran(sh("dvc repro", clone)) == {"context_study", "report"}
+    # A real re-run through DVC, on a stage near the end of the DAG (the chain after tokenize takes minutes):
+    # a sweep point as a DVC experiment, which sets the param in params.yaml and re-runs the stages that
+    # read the changed section; recorded with its params and metrics.
+    out = sh("dvc exp run -S context_study.unscaled_growth=1.3 -n growth-1.3", clone)
+    assert dvc_ran(out) == {"context_study", "report"}
+    assert "\n  unscaled_growth: 1.3" in (clone / "params.yaml").read_text()
+    check_experiment_views(clone)
     assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone), "dvc repro results count for snakemake"
     # A second params change after `dvc repro` (which leaves Snakemake no records of those stages): Snakemake
     # still sees it, through DVC, and would re-run the same stages DVC would.
@@ -168,6 +175,26 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     assert by_tool["smk-"] == sorted(map(str, [FULL, study]))
     assert by_tool["dvc-"] == [str(study)]  # dvc repro (the second restored its output from the run cache)
     assert len(groups) == 3
+
+
+def check_experiment_views(clone: Path) -> None:
+    """What `dvc exp show`, `dvc metrics show` and `dvc plots show` make of the run and its experiment
+    growth-1.3 (DVC's views of the records; tests/test_e2e_reproduce.py re-runs a stage unchanged)."""
+    table = csv.DictReader(io.StringIO(sh("dvc exp show --csv", clone)))
+    assert next(r for r in table if r["Experiment"] == "growth-1.3")["context_study.unscaled_growth"] == "1.3"
+    metrics = sh("dvc metrics show", clone)
+    assert all(f"data/{s}/metrics.json" in metrics for s in ("pretrain", "train_gnn", "context_study")), metrics
+    # `dvc plots show`, offline: no script loads from elsewhere, every line plot is on the page.
+    # Plain `dvc plots show` needs nothing beyond the clone (its page loads Vega from a CDN) ...
+    sh(f"dvc plots show -o {clone.parent / 'plain_plots'}", clone)
+    assert "vegaEmbed" in (clone.parent / "plain_plots/index.html").read_text()
+    # ... and `make plots` renders offline.
+    sh("python -m pipelines.plots && dvc plots show --html-template .dvc/plots/offline.html", clone)
+    page = (clone / "dvc_plots/index.html").read_text()
+    assert not re.search(r"<script[^>]+src=", page) and "vegaEmbed" in page
+    assert all(p in page for p in ("data/pretrain/plots/val_loss.csv", "data/finetune_qlora/nf4/plots/loss.csv"))
+    evals = (clone / "data/finetune_qlora/nf4/plots/eval_loss.csv").read_text().splitlines()
+    assert len(evals) >= 2, "the final eval loss is the last point of its curve"
 
 
 def kill_everything_in(folder: Path) -> int:

@@ -5,8 +5,10 @@ stage command passes `--check`. tests/test_readme.py checks every command withou
 from __future__ import annotations
 
 import csv
+import importlib
 import io
 import re
+import shlex
 
 import pytest
 import readme_commands
@@ -17,18 +19,31 @@ from test_e2e import UP_TO_DATE, dvc_ran, snakemake_ran
 pytestmark = pytest.mark.e2e
 
 
+def check(command: str) -> None:
+    """A stage command with `--check`, as one process runs it (`torchrun ... -m` as `python -m`), in this
+    process: the stage's main parses the command line and loads its params section, exactly as
+    `python -m stages.<name> ... --check` does, without a new interpreter importing torch again."""
+    argv = shlex.split(re.sub(r"^torchrun --nproc-per-node \d+ ", "python ", command))
+    assert argv[:2] == ["python", "-m"] and argv[2].startswith("stages."), command
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(argv[2]).main([*argv[3:], "--check"])
+    assert done.value.code == 0, f"`{command} --check` exited {done.value.code}"
+
+
 @pytest.mark.timeout(900)
-def test_readme_commands_run_as_written(tmp_path, mirror):
+def test_readme_commands_run_as_written(tmp_path, mirror, monkeypatch):
     """In a copy of the shared ci run: the README's commands marked `run` run as written; its stage commands
     pass `--check` (their command line and params overrides, no compute); see tests/readme_commands.py."""
     clone = copy_of_run(tmp_path / "clone")
+    monkeypatch.chdir(clone)  # (the stage commands' checks run in this process)
+    monkeypatch.setenv("PIPELINE_DATA_MIRROR", str(MIRROR))
     # a text longer than the longest context evaluated
     (clone / "notes.txt").write_text((MIRROR / "tinyshakespeare/input.txt").read_text()[:60_000])
     params = (clone / "params.yaml").read_text()
     ran = []
     for command, (how, _) in readme_commands.HOW.items():
         if how == "check":
-            sh(re.sub(r"^torchrun --nproc-per-node \d+ ", "python ", command) + " --check", clone)
+            check(command)
             ran.append(command)
         elif how == "run" and "pipelines.preset" not in command:
             out = sh(command, clone)
