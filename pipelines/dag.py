@@ -111,8 +111,9 @@ def check_params(params: str | Path = "params.yaml", memo: Path | None = None) -
     digest = None
     if memo is not None:
         h = hashlib.sha256(sys.version.encode())
-        for path in [Path(params), TABLE, *sorted((ROOT / "stages").rglob("*.py"))]:
-            h.update(f"\0{path}\0".encode() + (path.read_bytes() if path.is_file() else b"(missing)"))
+        h.update(Path(params).read_bytes() if Path(params).is_file() else b"(no params file)")
+        for path in [TABLE, *sorted((ROOT / "stages").rglob("*.py"))]:  # (by name in the repository: the
+            h.update(f"\0{path.relative_to(ROOT)}\0".encode() + path.read_bytes())  # same in every copy)
         digest = h.hexdigest()
         if memo.is_file() and memo.read_text() == digest:
             return
