@@ -30,6 +30,8 @@ from pathlib import Path
 
 import yaml
 
+from pipelines.dag import parse_yaml
+
 LOCK_FILE = Path("dvc.lock")
 GOOD_COPY = Path(".snakemake/dvc.lock.good")
 COMMIT_LOCK = Path(".snakemake/dvc-commit.lock")
@@ -58,7 +60,7 @@ def lock_problem(path: Path = LOCK_FILE) -> str | None:
     if not path.exists():
         return None
     try:
-        data = yaml.safe_load(path.read_text())
+        data = parse_yaml(path.read_text())
     except (OSError, yaml.YAMLError) as e:
         return f"it does not parse ({str(e).splitlines()[0]})"
     if not data:
@@ -88,8 +90,8 @@ def lost_stages(path: Path = LOCK_FILE, good: Path = GOOD_COPY) -> list[str]:
     from pipelines.dag import load_table
 
     names = {name for st in load_table().values() for name, _ in st.instances()}
-    ours = set((yaml.safe_load(path.read_text()) or {}).get("stages") or {})
-    theirs = set((yaml.safe_load(good.read_text()) or {}).get("stages") or {})
+    ours = set((parse_yaml(path.read_text()) or {}).get("stages") or {})
+    theirs = set((parse_yaml(good.read_text()) or {}).get("stages") or {})
     return sorted((theirs - ours) & names)
 
 

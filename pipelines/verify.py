@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.dag import MEASURED_DIR, fill, load_table
+from pipelines.dag import MEASURED_DIR, fill, load_table, parse_yaml
 from pipelines.sync import dvc_status
 
 
@@ -307,7 +307,7 @@ def check_checkpoints(root: Path, r: Report) -> None:
 def compare(root: Path, lock: dict, against: Path) -> int:
     """Per out of this run: identical, within the recorded tolerance, or differs from the other run's."""
     other_root = against if against.is_dir() else against.parent
-    other_lock = yaml.safe_load((against / "dvc.lock" if against.is_dir() else against).read_text())
+    other_lock = parse_yaml((against / "dvc.lock" if against.is_dir() else against).read_text())
     theirs = lock_outs(other_lock)
     counts = {"identical": 0, "within the recorded tolerance": 0, "differs": 0, "measured": 0}
     for path, (_, md5) in sorted(lock_outs(lock).items()):
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
     if args.against is not None and not (args.against.is_file() or (args.against / "dvc.lock").is_file()):
         parser.error(f"--against {args.against}: no dvc.lock there")
     try:
-        lock = yaml.safe_load((root / "dvc.lock").read_text()) or {}
+        lock = parse_yaml((root / "dvc.lock").read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
         print(
             f"BROKEN  outs        {root / 'dvc.lock'} is unreadable ({e}); mend: git checkout dvc.lock, then dvc status"

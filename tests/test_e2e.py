@@ -197,18 +197,30 @@ def check_experiment_views(clone: Path) -> None:
     assert len(evals) >= 2, "the final eval loss is the last point of its curve"
 
 
-def kill_everything_in(folder: Path) -> int:
-    """SIGKILL every process working in folder (the stage's workers run in sessions of their own, so
-    a process group does not hold them all): what a lost machine does to a pipeline."""
-    killed = 0
+def working_in(folder: Path) -> list[int]:
+    """Every process working in folder (the stage's workers run in sessions of their own, so a process
+    group does not hold them all)."""
+    found = []
     for proc in Path("/proc").iterdir():
         try:
             if proc.name.isdigit() and Path(os.readlink(proc / "cwd")).is_relative_to(folder):
-                os.kill(int(proc.name), signal.SIGKILL)
-                killed += 1
+                found.append(int(proc.name))
         except (OSError, ValueError):
             pass
-    return killed
+    return found
+
+
+def signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def kill_everything_in(folder: Path) -> None:
+    """SIGKILL every process working in folder: what a lost machine does to a pipeline."""
+    signal_all(working_in(folder), signal.SIGKILL)
 
 
 def set_pretrain(clone: Path, **values) -> None:
@@ -257,7 +269,8 @@ def test_stopped_pipeline_resumes_from_the_stage_checkpoint(clone):
 
     # Ctrl-C: the terminal signals the foreground process group; pretrain saves a checkpoint and exits,
     # and the re-run resumes from that checkpoint (not only from a periodic one).
-    set_pretrain(clone, steps=400, checkpoint_every=20, eval_every=400)
+    # (steps: enough that the stop, sent once the first checkpoint is on disk, lands while pretrain trains)
+    set_pretrain(clone, steps=120, checkpoint_every=20, eval_every=120)
     start_and_stop_mid_pretrain(clone, run, lambda proc: os.killpg(proc.pid, signal.SIGINT))
     log = (clone / "logs/pretrain.log").read_text()
     # (SIGINT, or SIGTERM when Snakemake stops its jobs first: either way a save, never a traceback)
@@ -265,7 +278,7 @@ def test_stopped_pipeline_resumes_from_the_stage_checkpoint(clone):
     assert saved and "KeyboardInterrupt" not in log, log[-3000:]
     assert snakemake_ran(sh(run, clone)) == {"pretrain"}
     assert resumed_step(clone) == int(saved.group(1))
-    assert json.loads((clone / "data/pretrain/meta.json").read_text())["step"] == 400
+    assert json.loads((clone / "data/pretrain/meta.json").read_text())["step"] == 120
     # In MLflow the stopped invocation's parent run ends KILLED, naming the stage; the re-run's FINISHED.
     import mlflow
 
@@ -280,18 +293,21 @@ def test_stopped_pipeline_resumes_from_the_stage_checkpoint(clone):
     assert parents[1].data.tags["unfinished_stages"] == "pretrain:KILLED"
 
     # A lost machine: no process survives to clean up. Snakemake keeps its lock until told to drop it.
-    set_pretrain(clone, steps=300)
+    set_pretrain(clone, steps=100)
     start_and_stop_mid_pretrain(clone, run, lambda proc: kill_everything_in(clone))
     sh("snakemake --unlock", clone)
     assert snakemake_ran(sh(run, clone)) == {"pretrain"}
     assert resumed_step(clone) >= 20
-    assert json.loads((clone / "data/pretrain/meta.json").read_text())["step"] == 300
+    assert json.loads((clone / "data/pretrain/meta.json").read_text())["step"] == 100
 
     # Both tools at once on one stage: the run that trains holds its checkpoint folder, the other stops
-    # with a clear error; the first publishes, and afterwards both tools see the stage current.
-    set_pretrain(clone, steps=1500)
+    # with a clear error; the first publishes, and afterwards both tools see the stage current. The first
+    # is paused (SIGSTOP, every process of it) while the second runs: mid-training whatever the machine's
+    # speed, its lock held as by a run that trains.
+    set_pretrain(clone, steps=140)
     checkpoints = clone / "checkpoints" / "pretrain"
     before = set(checkpoints.glob("*/step-*"))
+    others = set(working_in(clone))
     dvc = subprocess.Popen(
         "dvc repro pretrain",
         shell=True,
@@ -306,11 +322,16 @@ def test_stopped_pipeline_resumes_from_the_stage_checkpoint(clone):
     while not set(checkpoints.glob("*/step-*")) - before:
         assert dvc.poll() is None and time.time() < deadline, "dvc repro pretrain wrote no checkpoint"
         time.sleep(0.2)
-    second = subprocess.run(run, shell=True, cwd=clone, env=env_for(clone), capture_output=True, text=True, timeout=600)
+    first = [pid for pid in working_in(clone) if pid not in others]
+    signal_all(first, signal.SIGSTOP)
+    try:
+        second = subprocess.run(run, shell=True, cwd=clone, env=env_for(clone), capture_output=True, text=True, timeout=600)
+    finally:
+        signal_all(first, signal.SIGCONT)
     assert dvc.poll() is None, "the second tool ran while the first still trained"
     assert second.returncode != 0 and "is in use by another run" in (clone / "logs/pretrain.log").read_text()
     out, _ = dvc.communicate(timeout=900)
     assert dvc.returncode == 0, out[-3000:]
-    assert json.loads((clone / "data/pretrain/meta.json").read_text())["step"] == 1500
+    assert json.loads((clone / "data/pretrain/meta.json").read_text())["step"] == 140
     assert "pretrain" not in sh("dvc status pretrain", clone)
     assert "Nothing to be done" in sh(f"{run} -n", clone)
