@@ -16,10 +16,8 @@ import sys
 import uuid
 from pathlib import Path
 
-import yaml
-
 from pipelines.commit import hold_pipeline_lock, plans_only, repair as repair_dvc_lock
-from pipelines.dag import check_params, fill, is_dir, load_table
+from pipelines.dag import check_params, fill, is_dir, load_table, parse_yaml
 from snakemake.exceptions import WorkflowError
 from stages.common.config import ConfigError
 from pipelines.sync import align
@@ -61,7 +59,7 @@ if workflow.is_main_process and not config.get("dump_rules"):
         # sees as changed count as stale, and outputs changed in place are re-made (see pipelines/sync.py).
         align(snakefile=workflow.main_snakefile)
 with open("params.yaml") as fh:
-    PARAMS = yaml.safe_load(fh)
+    PARAMS = parse_yaml(fh.read())
 
 
 def wildcard(text):

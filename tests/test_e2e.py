@@ -325,7 +325,9 @@ def test_stopped_pipeline_resumes_from_the_stage_checkpoint(clone):
     first = [pid for pid in working_in(clone) if pid not in others]
     signal_all(first, signal.SIGSTOP)
     try:
-        second = subprocess.run(run, shell=True, cwd=clone, env=env_for(clone), capture_output=True, text=True, timeout=600)
+        second = subprocess.run(
+            run, shell=True, cwd=clone, env=env_for(clone), capture_output=True, text=True, timeout=600
+        )
     finally:
         signal_all(first, signal.SIGCONT)
     assert dvc.poll() is None, "the second tool ran while the first still trained"

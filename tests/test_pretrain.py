@@ -234,7 +234,8 @@ def _stage_processes(folder, output: str) -> list[int]:
 def test_a_second_run_refuses_and_training_dies_with_its_launcher(tokenized):
     """While a run trains, the same stage with the same params and inputs refuses to start, naming the
     busy checkpoint folder. SIGKILL to the launcher's process group (torchrun's workers run in their own
-    sessions) stops the workers too, and they save a checkpoint on the way out."""
+    sessions) stops the workers too, and they save a checkpoint on the way out. (The first run is paused,
+    every process of it, while the second starts: mid-training, its lock held, and no CPU taken.)"""
     import signal
     import subprocess
     import sys
@@ -267,14 +268,21 @@ def test_a_second_run_refuses_and_training_dies_with_its_launcher(tokenized):
         deadline = time.time() + 180
         while time.time() < deadline and "train:" not in log.read_text() and first.poll() is None:
             time.sleep(0.2)
-        second = subprocess.run(
-            [sys.executable, "-m", "pipelines.launch", "pretrain", *args],
-            cwd=tokenized,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        paused = _stage_processes(tokenized, "killed")
+        for pid in paused:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            second = subprocess.run(
+                [sys.executable, "-m", "pipelines.launch", "pretrain", *args],
+                cwd=tokenized,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+        finally:
+            for pid in paused:
+                os.kill(pid, signal.SIGCONT)
         assert first.poll() is None, "the first run is still training"
         assert second.returncode != 0
         assert "is in use by another run" in second.stderr and str(ckpt_root / "pretrain") in second.stderr, (

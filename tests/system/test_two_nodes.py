@@ -354,7 +354,7 @@ def test_warning_signal_checkpoints_requeues_and_resumes(two_nodes, tmp_path_fac
     # exec: the batch shell is the launcher itself, so `scancel --batch --signal` reaches it.
     script.write_text(
         "#!/bin/bash\nexec python -m pipelines.launch pretrain --input data/tokenize "
-        "--output data/preempted train.steps=400 train.checkpoint_every=10 train.eval_every=400 train.log_every=10\n"
+        "--output data/preempted train.steps=200 train.checkpoint_every=10 train.eval_every=200 train.log_every=10\n"
     )
     log = work / "pretrain.log"
     job_id = subprocess.run(
@@ -403,4 +403,4 @@ def test_warning_signal_checkpoints_requeues_and_resumes(two_nodes, tmp_path_fac
     assert stopped and resumed, text[-3000:]
     assert resumed.group(1) == stopped.group(1), "the second start resumes where the first stopped"
     assert "requeueing job " + job_id in text
-    assert json.loads((work / "data/preempted/meta.json").read_text())["step"] == 400
+    assert json.loads((work / "data/preempted/meta.json").read_text())["step"] == 200
