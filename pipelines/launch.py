@@ -30,6 +30,10 @@ signal USR1 (`sbatch --requeue --signal=B:USR1@<seconds>`, for a stage submitted
 stage as SIGTERM; it saves a checkpoint and exits 143. When the warning signal stopped it inside a SLURM
 job, the launcher requeues that job (`scontrol requeue`), whose next start resumes from the checkpoint.
 
+A stage that refuses its input ends with one line naming the cause and exit code 2 (a hang, found by
+stages.common.watchdog: 124); under torchrun (which reports a failed worker as its own exit 1, with pages
+of its own) the launcher repeats that line last and exits with that code.
+
 Outside Snakemake (under `dvc repro`), a stage that succeeds also drops Snakemake's provenance records
 of its outputs: they describe the previous Snakemake run, and would make Snakemake re-run a stage
 that DVC has just brought up to date. Without them Snakemake judges those outputs by modification time.
@@ -227,6 +231,7 @@ def mark_pipeline(stage: str, code: int) -> None:
     stopped before opening its own run (stages/common/track.py: record_stage_end). Tracking never
     changes the stage's exit code."""
     try:
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # no store notices after the stage's last line
         from stages.common import track
 
         track.record_stage_end(stage, code)
@@ -247,6 +252,11 @@ def main() -> None:
     # workers' exit 143 as its own exit 1, and the launcher exits 143 for it.
     stopped = Path(tempfile.gettempdir()) / f"pipeline-stopped-{os.getpid()}"
     stopped.unlink(missing_ok=True)
+    # A stage refusing its input (a UserError: one line, exit 2), or ended by its hang watchdog, leaves its
+    # exit code and line in this file: under torchrun the launcher repeats the line last and exits with
+    # that code, after torchrun's report of the failed workers.
+    error = Path(tempfile.gettempdir()) / f"pipeline-error-{os.getpid()}"
+    error.unlink(missing_ok=True)
     # No terminal input: a background process group reading it would be stopped (SIGTTIN).
     # srun inside a job step of fewer nodes (Snakemake's around a rule) takes that step's nodes and
     # counts for the allocation's; the torchrun per node needs the job's.
@@ -268,6 +278,7 @@ def main() -> None:
             "PIPELINE_LAUNCHED": "1",
             "PIPELINE_STAGE": sys.argv[1],
             "PIPELINE_STOPPED_FILE": str(stopped),
+            "PIPELINE_ERROR_FILE": str(error),
             "PIPELINE_WORLD_SIZE": str(nproc * nodes),  # what the stage's preflight expects
         },
     )
@@ -295,7 +306,13 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, forward)
     code = child.wait()
-    if code != 0 and stopped.exists():
+    # "<exit code>\t<line>": a UserError (2) or the hang watchdog (stages.common.watchdog.HANG_EXIT)
+    said = error.read_text().strip().split("\t", 1) if code != 0 and error.exists() else []
+    error.unlink(missing_ok=True)
+    refused = said[1] if len(said) == 2 and said[0].isdigit() else ""
+    if refused:
+        code = int(said[0])  # the stage's own exit code, whatever torchrun made of it
+    elif code != 0 and stopped.exists():
         code = 143  # stopped after a checkpoint: re-running resumes (schedulers read 143 as preempted)
     stopped.unlink(missing_ok=True)
     if code == 0 and not os.environ.get("PIPELINE_SNAKEMAKE"):
@@ -304,6 +321,8 @@ def main() -> None:
         requeue(os.environ["SLURM_JOB_ID"], code)  # first: the job's time limit is near
     if code != 0:
         mark_pipeline(sys.argv[1], code)
+    if refused and nproc * nodes > 1:
+        print(refused, file=sys.stderr, flush=True)  # the user's line, last (one process printed it last)
     raise SystemExit(code)
 
 

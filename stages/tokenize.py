@@ -18,6 +18,8 @@ Resuming: the tokenizer, the chunk plan and every finished chunk are kept in
 checkpoints/tokenize/<hash of params and corpus>/ until the stage publishes. A run stopped mid-way
 (SIGTERM, Ctrl-C, SIGKILL, a lost node) and started again keeps them and encodes only the rest, with
 output byte-identical to an uninterrupted run; a second run started meanwhile stops with a clear error.
+Each finished chunk records the size and sha256 of its ids: a chunk that no longer matches (truncated,
+appended to, changed) is named in a warning and encoded again, and the join checks every chunk it reads.
 
 Run:
     python -m stages.tokenize --input data/prepare_data --output data/tokenize [key=value ...]
@@ -27,6 +29,7 @@ Run:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -37,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.common import atomic, ckpt, config, runtime, shards, stage, track
+from stages.common import atomic, ckpt, config, digest, runtime, shards, stage, track
 
 STAGE = "tokenize"
 SPLITS = ("train", "val", "test")
@@ -169,14 +172,18 @@ def read_batches(txt: Path, offsets: np.ndarray, start: int, end: int, batch_lin
                 lines, ends_doc, batch_start = [], [], pos
 
 
-def encode_range(tok, txt: Path, offsets: np.ndarray, start: int, end: int, out: Path, cfg: Config, bar) -> dict:
+def encode_range(
+    tok, txt: Path, offsets: np.ndarray, start: int, end: int, out: Path, cfg: Config, bar
+) -> tuple[dict, dict]:
     """Encode the lines in [start, end) into the raw id file `out`; an eos follows each document end.
+    Returns the chunk's counts and the size and sha256 of the ids written.
 
     The encoder releases the GIL, so one worker thread encodes the next batch while this thread turns
     the previous one into ids on disk."""
     eos = tok.token_to_id(shards.EOS_TOKEN)
     dtype = shards.dtype_for(tok.get_vocab_size())
     counts = {"tokens": 0, "bytes": end - start, "words": 0, "documents": 0}
+    written = hashlib.sha256()
 
     def write(encoded, lines, ends_doc, nbytes):
         pieces = []
@@ -186,6 +193,7 @@ def encode_range(tok, txt: Path, offsets: np.ndarray, start: int, end: int, out:
                 pieces.append((eos,))
         ids = np.fromiter(itertools.chain.from_iterable(pieces), dtype=dtype)
         ids.tofile(fh)
+        written.update(ids.tobytes())
         counts["tokens"] += len(ids)
         counts["documents"] += sum(ends_doc)
         counts["words"] += sum(len(line.split()) for line in lines)
@@ -200,7 +208,7 @@ def encode_range(tok, txt: Path, offsets: np.ndarray, start: int, end: int, out:
             pending = (future, lines, ends_doc, nbytes)
         if pending:
             write(pending[0].result(), *pending[1:])
-    return counts
+    return counts, {"bytes": counts["tokens"] * dtype.itemsize, "sha256": written.hexdigest()}
 
 
 def trained_tokenizer(cfg: Config, corpus: Path, work: Path, rt: runtime.Runtime):
@@ -220,6 +228,39 @@ def chunk_done(work: Path, split: str, k: int) -> bool:
     return (work / f"{split}-{k:06d}.json").is_file()
 
 
+def chunk_problem(work: Path, split: str, k: int) -> str | None:
+    """Why a finished chunk cannot be joined as it is: its ids differ in size or sha256 from what the run
+    that encoded it recorded (truncated, appended to, changed), or its record is unreadable. None when intact."""
+    name = work / f"{split}-{k:06d}"
+    try:
+        record = json.loads(name.with_suffix(".json").read_text())
+        want, _ = record["ids"], record["counts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its record {name.name}.json is unreadable"
+    ids = name.with_suffix(".ids")
+    if not ids.is_file():
+        return f"{ids.name} is missing"
+    if ids.stat().st_size != want["bytes"]:
+        return f"{ids.name} holds {ids.stat().st_size:,} bytes, its record says {want['bytes']:,}"
+    if digest.sha256_file(ids) != want["sha256"]:
+        return f"{ids.name} differs from its record (sha256)"
+    return None
+
+
+def chunks_to_encode(work: Path, chunks: list) -> list:
+    """The chunks not finished, and the finished ones that are damaged (named in a warning; encoded again)."""
+    todo = []
+    for chunk in chunks:
+        split, k = chunk[:2]
+        if chunk_done(work, split, k):
+            why = chunk_problem(work, split, k)
+            if why is None:
+                continue
+            print(f"warning: tokenize: encoding chunk {split}-{k:06d} of {work} again: {why}", flush=True)
+        todo.append(chunk)
+    return todo
+
+
 def encode_chunks(tok, cfg: Config, corpus: Path, work: Path, rt: runtime.Runtime) -> dict:
     """Encode every chunk of every split not encoded yet (the plan is made once, by the first run: any
     later world size follows it). Chunk k of a split becomes <split>-<k>.ids, then <split>-<k>.json with
@@ -231,7 +272,7 @@ def encode_chunks(tok, cfg: Config, corpus: Path, work: Path, rt: runtime.Runtim
     plan = json.loads((work / "plan.json").read_text())
     chunks = [(split, k, a, b) for split in SPLITS for k, (a, b) in enumerate(plan[split])]
     # Rank 0 decides what is left (a rank looking later would see chunks finished meanwhile).
-    todo = runtime.broadcast_object([c for c in chunks if not chunk_done(work, c[0], c[1])] if rt.is_main else None)
+    todo = runtime.broadcast_object(chunks_to_encode(work, chunks) if rt.is_main else None)
     if len(todo) < len(chunks):
         runtime.print0(f"tokenize: resuming, {len(chunks) - len(todo)} of {len(chunks)} chunks already encoded", rt=rt)
     t0, tokens = time.perf_counter(), 0
@@ -241,9 +282,10 @@ def encode_chunks(tok, cfg: Config, corpus: Path, work: Path, rt: runtime.Runtim
         for split, k, start, end in todo[rt.rank :: rt.world_size]:
             txt = corpus / f"{split}.txt"
             name = work / f"{split}-{k:06d}"
-            counts = encode_range(tok, txt, offsets[split], start, end, work / f".{name.name}.tmp", cfg, bar)
+            name.with_suffix(".json").unlink(missing_ok=True)  # (a damaged chunk's record goes first)
+            counts, ids = encode_range(tok, txt, offsets[split], start, end, work / f".{name.name}.tmp", cfg, bar)
             os.replace(work / f".{name.name}.tmp", name.with_suffix(".ids"))
-            atomic.write_json(name.with_suffix(".json"), counts)
+            atomic.write_json(name.with_suffix(".json"), {"counts": counts, "ids": ids})
             tokens += counts["tokens"]
     return {
         "tokens": tokens,
@@ -291,10 +333,17 @@ def tokenize(
                 counts = {"tokens": 0, "bytes": 0, "words": 0, "documents": 0}
                 for k in range(len(plan[split])):
                     name = work / f"{split}-{k:06d}"
+                    record, joined = json.loads(name.with_suffix(".json").read_text()), hashlib.sha256()
                     with open(name.with_suffix(".ids"), "rb") as fh:
                         while len(ids := np.fromfile(fh, dtype=dtype, count=JOIN_TOKENS)):
+                            joined.update(ids.tobytes())
                             writer.write(ids)
-                    for key, value in json.loads(name.with_suffix(".json").read_text()).items():
+                    if joined.hexdigest() != record["ids"]["sha256"]:
+                        raise RuntimeError(
+                            f"tokenize: chunk {name} changed after it was checked (sha256 differs from its "
+                            "record); run the stage again to encode it afresh"
+                        )
+                    for key, value in record["counts"].items():
                         counts[key] += value
                 meta["splits"][split] = {**counts, "shards": writer.close()}
             atomic.write_json(tmp / "meta.json", meta)

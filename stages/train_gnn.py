@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stages.common import atomic, config, runtime, sources, stage, track
+from stages.common import atomic, config, digest, runtime, sources, stage, track
 from stages.models.gnn import build_model
 
 STAGE = "train_gnn"
@@ -166,6 +166,19 @@ def check_input(inp: Path, name: str) -> None:
             f"train_gnn: {inp / 'planetoid' / name / 'raw'} lacks {', '.join(missing)}; the raw Planetoid files "
             f"must be there: add {name} to prepare_data.graphs and run prepare_data, or pass --input"
         )
+    check_published(inp / "planetoid" / name / "raw", name)
+
+
+def check_published(raw: Path, name: str) -> None:
+    """PyG's Planetoid unpickles the raw files: only the published ones (their known sha256) are read."""
+    for fname, known in sources.planetoid_files(name).items():
+        got = digest.sha256_file(raw / fname)
+        if got != known.sha256:
+            raise config.UserError(
+                f"train_gnn: {raw / fname} is not the published Planetoid file (sha256 {got}, expected "
+                f"{known.sha256}, {known.size:,} bytes); PyG unpickles it, so it is not read: run prepare_data "
+                "again, which fetches and verifies it"
+            )
 
 
 def load_planetoid(inp: Path, name: str):
@@ -181,6 +194,7 @@ def load_planetoid(inp: Path, name: str):
         raw.mkdir(parents=True)
         for path in raw_files(inp, name):
             shutil.copy(path, raw / path.name)
+        check_published(raw, name)  # the copy PyG reads
         data = Planetoid(root, name, split="public", transform=NormalizeFeatures())[0]
     # The same edges ordered by destination: message passing scatters into contiguous rows (~25% faster GAT).
     data.edge_index = data.edge_index[:, torch.argsort(data.edge_index[1] * data.num_nodes + data.edge_index[0])]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -564,3 +565,57 @@ def test_a_checkpoint_of_other_code_is_resumed_only_when_asked(tokenized, tmp_pa
         0
     ]
     assert "resumed_across_code" not in run_.data.tags and run_.data.tags["code_sha256"] == "e" * 64
+
+
+def test_a_rank_that_stops_making_progress_ends_the_run_naming_it(tokenized, tmp_path):
+    """Rank 1 of 2 stops for good before step 4 (a fault injected), rank 0 waits in that step's gradient
+    all-reduce. Instead of the collective timeout (1800 s), the hang watchdog ends the stage after
+    train.hang_timeout_s (3 s): every rank's Python stacks in the log, rank 1 and its host named in the last
+    line, exit 124 through the launcher, the MLflow run FAILED with the cause tagged, and the step-2
+    checkpoint intact: a re-run resumes from it and finishes."""
+    import socket
+    import subprocess
+    import sys
+
+    import mlflow
+    from conftest import TRACKED, stage_env
+
+    from stages.common import watchdog
+
+    shutil.copy(tokenized / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "tmp").mkdir()
+    env = stage_env(
+        tmp_path,
+        PIPELINE_NPROC_PER_NODE="2",
+        PIPELINE_CHECKPOINTS=str(tmp_path / "ckpts"),
+        TMPDIR=str(tmp_path / "tmp"),
+        **TRACKED,
+    )
+    args = ["--input", str(tokenized / "data/tokenize"), "--output", "out", *TINY, "train.checkpoint_every=2"]
+    cmd = [sys.executable, "-m", "pipelines.launch", "pretrain", *args, "train.hang_timeout_s=3"]
+    # (timeout: the guard against the 1800 s collective timeout this test is about)
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env={**env, "PIPELINE_FAULT_STALL": "1:3"}, capture_output=True, text=True, timeout=180
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == watchdog.HANG_EXIT, log[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    host = socket.gethostname()
+    assert re.match(rf"error: hang: rank 1 on {re.escape(host)} \(in step 4\) made no progress for \d+ s", last), last
+    assert "preflight: collectives time out after 1800 s (pretrain.train.collective_timeout_s)" in log, log[-3000:]
+    rank0, rank1 = log.index("[rank 0] "), log.index("[rank 1] ")
+    assert "waits in a collective; Python stacks:" in log[rank0:rank1], log[rank0:]
+    assert "does not wait in a collective; Python stacks:" in log[rank1:], log[rank1:]
+    assert "in injected_stall" in log[rank1:] and "in _train" in log[rank0:rank1], log[rank0:]
+    assert not (tmp_path / "out").exists() and not list((tmp_path / "tmp").glob("pipeline-*"))
+
+    (folder,) = (p for p in (tmp_path / "ckpts/pretrain").iterdir() if p.is_dir())
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-2"]
+    assert ckpt.checkpoint_problem(folder / "step-2") is None, "the last checkpoint is kept intact"
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("pipeline").experiment_id], "tags.stage = 'pretrain'")
+    assert run.info.status == "FAILED" and run.data.tags["failure"] == "hang", run
+    assert "rank 1 on" in run.data.tags["failure_cause"]
+
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "(step 2)" in again.stdout + again.stderr, again.stderr[-3000:]

@@ -113,10 +113,15 @@ def test_single_process_runtime_has_no_group():
 
 
 def test_manifest_tells_intact_checkpoints_from_damaged_ones(tmp_path, capsys):
-    import torch
+    import pickle
 
+    import torch
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    metadata = pickle.dumps(Metadata(state_dict_metadata={}))  # DCP's index of the shards
     for step in (2, 4):
         (tmp_path / f"step-{step}/state").mkdir(parents=True)
+        (tmp_path / f"step-{step}/state/.metadata").write_bytes(metadata)
         (tmp_path / f"step-{step}/state/shard.distcp").write_bytes(b"x" * 100)
         torch.save({"step": step}, tmp_path / f"step-{step}/extra.pt")
         ckpt.write_manifest(tmp_path / f"step-{step}")
@@ -134,7 +139,7 @@ def test_manifest_tells_intact_checkpoints_from_damaged_ones(tmp_path, capsys):
     assert ckpt.newest_intact_checkpoint(tmp_path) is None
     # Written before manifests existed: accepted when DCP's metadata is there, with a warning.
     (tmp_path / "step-6/state").mkdir(parents=True)
-    (tmp_path / "step-6/state/.metadata").write_bytes(b"m")
+    (tmp_path / "step-6/state/.metadata").write_bytes(metadata)
     torch.save({"step": 6}, tmp_path / "step-6/extra.pt")
     assert ckpt.newest_intact_checkpoint(tmp_path).name == "step-6"
     assert "has no manifest.json (an older version wrote it)" in capsys.readouterr().out
@@ -175,6 +180,59 @@ def test_the_checkpointer_saves_the_steps_it_decides_on_and_resumes_the_whole_tr
     moments = zip(model.parameters(), other.parameters(), strict=True)
     assert all(torch.equal(optimizer.state[a]["exp_avg"], other_optimizer.state[b]["exp_avg"]) for a, b in moments)
     assert ckpt.Checkpointer(tmp_path / "none", 3, 8, rt).resume(other, other_optimizer).step == 0
+
+
+class _RunsCode:
+    """Unpickled by plain pickle, this creates a file: metadata crafted to run code on resume."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_whose_dcp_metadata_would_run_code_is_passed_over(tmp_path, capsys):
+    """DCP's state/.metadata is a pickle that torch's own reader loads with pickle.load. One crafted to run
+    code, with its manifest rewritten to match (or deleted, as if an older version wrote the checkpoint),
+    is never unpickled: the checkpoint is named as damaged and the run resumes from the older one."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    rt = runtime.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    saver = ckpt.Checkpointer(tmp_path / "ckpt", every=1, steps=4, rt=rt)
+    state = ckpt.TrainState()
+    for done in (1, 2):
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        state.step = done
+        saver.step_done(state, model, optimizer)
+    newest = tmp_path / "ckpt/step-2"
+    metadata = ckpt.read_metadata(newest / "state/.metadata")  # what DCP writes reads as data
+    metadata.planner_data = _RunsCode(tmp_path / "code-ran")
+    (newest / "state/.metadata").write_bytes(pickle.dumps(metadata))
+    FileSystemReader(newest / "state").read_metadata()
+    assert (tmp_path / "code-ran").exists(), "the crafted metadata runs code in torch's own reader"
+    (tmp_path / "code-ran").unlink()
+
+    ckpt.write_manifest(newest)
+    for case in ("manifest rewritten", "manifest deleted"):
+        if case == "manifest deleted":
+            (newest / ckpt.MANIFEST).unlink()
+        problem = ckpt.checkpoint_problem(newest)
+        assert problem.startswith("state/.metadata does not load as a checkpoint's metadata (UnpicklingError"), problem
+        other = torch.nn.Linear(4, 2)
+        resumed = ckpt.Checkpointer(tmp_path / "ckpt", 1, 4, rt).resume(other, torch.optim.AdamW(other.parameters()))
+        assert resumed.step == 1, case
+        assert f"not resuming from checkpoint {newest}: state/.metadata" in capsys.readouterr().out, case
+        assert not (tmp_path / "code-ran").exists(), f"{case}: loading a checkpoint ran code"
+    with pytest.raises(pickle.UnpicklingError, match="is not part of a checkpoint's metadata"):
+        ckpt.checkpoint_reader(newest / "state").read_metadata()  # what every rank's load reads it with
 
 
 def test_an_unreachable_tracking_server_is_one_clear_error(tmp_path):
@@ -282,14 +340,17 @@ def test_a_pipeline_parent_run_ends_with_the_worst_status_of_its_stages(tmp_path
 
 def test_a_stage_failing_before_its_run_opens_marks_its_pipeline_failed(tmp_path):
     """Bad input stops a stage before it opens an MLflow run; its launcher marks the pipeline's parent
-    run FAILED (creating it: no stage of the invocation had opened one) and names the stage once."""
+    run FAILED (creating it: no stage of the invocation had opened one) and names the stage once. With one
+    process and under torchrun with two, the stage's one line is the last thing printed, and the exit code 2."""
     import mlflow
     from conftest import TRACKED, stage_env
 
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
-    env = {**stage_env(tmp_path, PIPELINE_NPROC_PER_NODE="1", **TRACKED), "PIPELINE_RUN_ID": "inv-fail"}
     args = ["--input", "data/missing", "--output", "data/pretrain"]
-    for _ in range(2):
+    for nproc in ("1", "2"):
+        env = {**stage_env(tmp_path, PIPELINE_NPROC_PER_NODE=nproc, **TRACKED), "PIPELINE_RUN_ID": "inv-fail"}
+        (tmp_path / "tmp").mkdir(exist_ok=True)
+        env["TMPDIR"] = str(tmp_path / "tmp")  # where the launcher keeps its files
         proc = subprocess.run(
             [sys.executable, "-m", "pipelines.launch", "pretrain", *args],
             cwd=tmp_path,
@@ -298,7 +359,10 @@ def test_a_stage_failing_before_its_run_opens_marks_its_pipeline_failed(tmp_path
             text=True,
             timeout=300,
         )
-        assert proc.returncode == 2 and "data/missing" in proc.stderr, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 2, (nproc, proc.stderr[-2000:])
+        assert last.startswith("error: ") and "data/missing" in last and "not found" in last, (nproc, last)
+        assert not list((tmp_path / "tmp").glob("pipeline-*")), "the launcher removes its files"
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.get_experiment_by_name("pipeline")
     runs = client.search_runs([exp.experiment_id])
@@ -322,3 +386,11 @@ def test_git_commit_is_dirty_for_changed_code_not_for_dvc_lock(tmp_path):
     assert track.git_commit(tmp_path) == head
     (tmp_path / "stage.py").write_text("x = 2\n")
     assert track.git_commit(tmp_path) == head + "-dirty"
+
+
+def test_the_hang_limit_is_a_floor_or_ten_median_steps():
+    from stages.common.watchdog import FIRST_STEP_FACTOR, HANG_STEP_MULTIPLE, hang_limit
+
+    assert hang_limit(300, []) == FIRST_STEP_FACTOR * 300, "before the first step: loading, compiling"
+    assert hang_limit(300, [1.0, 2.0, 100.0]) == 300, "one slow step does not move the median"
+    assert hang_limit(5, [1.0, 2.0, 100.0]) == HANG_STEP_MULTIPLE * 2.0

@@ -114,7 +114,8 @@ def test_shard_writer_rolls_over_and_dtype_follows_vocab(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_run_stopped_mid_way_resumes_to_the_same_bytes(by_world_size, tmp_path, sig):
     """Two processes in small chunks, stopped (SIGTERM to torchrun, or SIGKILL to every process) after some
-    chunks; one process then finishes the job from the chunks kept, with the bytes of an uninterrupted run."""
+    chunks; two kept chunks are then damaged. One process finishes the job from the intact chunks kept,
+    encoding the damaged ones again, with the bytes of an uninterrupted run."""
     shutil.copy(by_world_size[1] / "params.yaml", tmp_path / "params.yaml")
     shutil.copytree(by_world_size[1] / "data/prepare_data", tmp_path / "data/prepare_data")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "stages.tokenize"]
@@ -133,8 +134,19 @@ def test_a_run_stopped_mid_way_resumes_to_the_same_bytes(by_world_size, tmp_path
     plan = json.loads((work / "plan.json").read_text())
     done = len(list(work.glob("*-*.json")))
     assert not (tmp_path / "data/tokenize").exists() and 10 <= done < sum(len(c) for c in plan.values())
+    # Two finished chunks damaged while the stage was down: one with bytes appended, one with a byte changed.
+    appended, changed = (p.with_suffix(".ids") for p in sorted(work.glob("*-*.json"))[:2])
+    with open(appended, "ab") as fh:
+        fh.write(b"\0" * 8)
+    flipped = bytearray(changed.read_bytes())
+    flipped[0] ^= 0xFF
+    changed.write_bytes(bytes(flipped))
 
     out = run_stage("tokenize", [*ARGS, "data/tokenize"], cwd=tmp_path).stdout
+    where = work.relative_to(tmp_path)  # (the stage names its work folder as it was given)
+    assert f"encoding chunk {appended.stem} of {where} again: {appended.name} holds" in out, out
+    assert f"encoding chunk {changed.stem} of {where} again: {changed.name} differs from its record" in out, out
+    done -= 2
     assert re.search(rf"resuming, {done} of \d+ chunks already encoded", out), out
     one, again = by_world_size[1] / "data/tokenize", tmp_path / "data/tokenize"
     names = sorted(p.relative_to(one).as_posix() for p in one.rglob("*") if p.is_file())

@@ -207,6 +207,33 @@ def test_missing_raw_files_say_where_they_must_be(workdir):
     assert not (workdir / "data").exists() and not (workdir / "mlflow.db").exists()
 
 
+class _RunsCode:
+    """Unpickled, this creates a file: a raw file crafted to run code in PyG's Planetoid reader."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_raw_file_that_is_not_the_published_one_is_never_unpickled(workdir):
+    """PyG's Planetoid unpickles ind.* files: one replaced by a pickle that runs code is refused, naming it,
+    both at the input check and in the private copy PyG reads; the code never runs and nothing is written."""
+    import pickle
+
+    shutil.copytree(MIRROR / "planetoid/Cora", workdir / "in/planetoid/Cora")
+    marker = workdir / "code-ran"
+    crafted = workdir / "in/planetoid/Cora/raw/ind.cora.x"
+    crafted.write_bytes(pickle.dumps(_RunsCode(marker)))
+    refused = r"ind\.cora\.x is not the published Planetoid file .*run prepare_data"
+    for call in (lambda: train_gnn.main(["--input", "in"]), lambda: train_gnn.load_planetoid(workdir / "in", "Cora")):
+        with pytest.raises(config.UserError, match=refused):
+            call()
+    assert not marker.exists(), "a raw file ran code"
+    assert not (workdir / "data").exists() and not (workdir / "mlflow.db").exists()
+
+
 def test_sub_sections_load_from_params_and_dotted_overrides_merge_deeply(workdir):
     cfg = config.load(train_gnn.Config, "train_gnn", "params.yaml", ["gat.lr=0.01", "train_gnn.minibatch.parts=2"])
     assert (cfg.gat.lr, cfg.gat.heads, cfg.gat.epochs, cfg.gcn.epochs) == (0.01, 8, 20, 30), "ci preset + override"

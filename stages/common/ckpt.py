@@ -20,8 +20,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib
+import io
 import json
 import os
+import pickle
 import shutil
 import signal
 from dataclasses import dataclass, field
@@ -42,6 +45,8 @@ from stages.common.digest import sha256_file
 LAYOUT_KEYS = (
     "strategy", "tensor_parallel", "pipeline_parallel", "pipeline_schedule", "data_parallel_replicate", "offload",
 )  # fmt: skip
+# How a run is watched, not what it computes: not part of the checkpoint folder's key either.
+WATCH_KEYS = ("hang_timeout_s", "collective_timeout_s")
 
 
 # PIPELINE_CHECKPOINTS, else checkpoints/ in the repository (DVC_ROOT: also for a queued or temporary DVC
@@ -274,15 +279,70 @@ def set_aside(folder: Path) -> Path:
     return aside
 
 
+# DCP writes a checkpoint's index, state/.metadata, with pickle, and its reader loads it with pickle.load:
+# a crafted file would run code on resume, and manifests are not authenticated. Here it is read by an
+# unpickler that admits only what DCP writes there: its metadata classes, the storage record of its file
+# layout, tensor sizes, dtypes and layouts, and the path it was saved to.
+METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module == METADATA_MODULE:
+            found = getattr(importlib.import_module(module), name, None)
+            if isinstance(found, type) and found.__module__ == module:
+                return found
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        elif (module, name) in METADATA_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def read_metadata(path: Path):
+    """DCP's metadata file read as data (MetadataUnpickler): a pickle that names anything else raises
+    pickle.UnpicklingError before any of it runs."""
+    return MetadataUnpickler(io.BytesIO(Path(path).read_bytes())).load()
+
+
+def checkpoint_reader(path: Path):
+    """DCP's file-system reader for the checkpoint in `path`, reading its metadata as data only."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(path)
+
+
 def checkpoint_problem(path: Path) -> str | None:
     """Why a checkpoint cannot be resumed from: files that do not match its manifest (truncated,
-    changed, missing), or an extra.pt that is not plain data. None when it is intact."""
+    changed, missing), or an extra.pt or DCP metadata that is not plain data. None when it is intact."""
     problem = manifest_problem(path)
     if problem is None:
         try:
             torch.load(path / "extra.pt", weights_only=True)
         except Exception as e:  # whatever the unpickler refuses
             problem = f"extra.pt does not load as plain data ({type(e).__name__})"
+    if problem is None:
+        try:
+            read_metadata(path / "state" / ".metadata")
+        except Exception as e:  # noqa: BLE001 - whatever the unpickler refuses, or a missing file
+            problem = f"state/.metadata does not load as a checkpoint's metadata ({type(e).__name__}: {e})"
     return problem
 
 
@@ -367,7 +427,7 @@ class Checkpointer:
 
         model_sd, optim_sd, options = state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path / "state"))
+        dcp.load(state, storage_reader=checkpoint_reader(path / "state"))  # metadata read as data only
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
         )

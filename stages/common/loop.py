@@ -24,6 +24,7 @@ parameters, and its checkpoints hold only those (the frozen base is reloaded fro
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from stages.common import ckpt, config, pipeline, runtime, shards
+from stages.common import ckpt, config, pipeline, runtime, shards, watchdog
 from stages.common.losses import IGNORE_INDEX, global_target_count, lm_loss, vocab_parallel_loss
 from stages.common.mesh import Layout
 from stages.common.optim import clip_grad_norm, lr_at, make_grad_scaler, make_optimizer, optimizer_state_bytes
@@ -96,11 +97,12 @@ def autocast(cfg: TrainConfig, rt: runtime.Runtime):
 @torch.no_grad()
 def evaluate(
     model, windows, cfg: TrainConfig, rt: runtime.Runtime, pipe: pipeline.Pipeline | None = None,
-    layout: Layout | None = None,
+    layout: Layout | None = None, beat=None,
 ) -> float:  # fmt: skip
     """Mean loss per target token over `eval_batches` global batches of fixed validation windows (same
     every call); `windows` is a Windows or another batch source. `pipe`: the model's pipeline stages;
-    `layout`: the run's (by default the train section's on these processes)."""
+    `layout`: the run's (by default the train section's on these processes); `beat()`: called after each
+    batch (the hang watchdog's)."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss sum, target count
     layout = layout or Layout.of(cfg, rt)
@@ -117,6 +119,8 @@ def evaluate(
                 loss = pipe.run(x.to(rt.device), y.to(rt.device), 1.0, train=False)
             count = float((y != IGNORE_INDEX).sum()) if pipe.last else 0.0
             total += torch.tensor([loss.item(), count], dtype=torch.float64, device=rt.device)
+            if beat is not None:
+                beat()
             continue
         for m in range(accum):
             index = (m * dp_size + dp_rank) * cfg.micro_batch_size
@@ -128,6 +132,8 @@ def evaluate(
             total += torch.tensor(
                 [loss.item(), float((y != IGNORE_INDEX).sum())], dtype=torch.float64, device=rt.device
             )
+        if beat is not None:
+            beat()
     model.train()
     if rt.distributed:  # (tensor-parallel ranks count their batches alike: the ratio is the same)
         torch.distributed.all_reduce(total)
@@ -290,7 +296,22 @@ def train(
     newest intact checkpoint in `ckpt_folder`; each step is logged to `tracker`, validated every
     `eval_every` steps and saved every `checkpoint_every`. A stop signal ends it after the step with a
     checkpoint (`stopped`). Stages hold the folder's lock (stage.checkpoints) around it and their
-    publishing, so no second run resumes from or writes into the same folder meanwhile."""
+    publishing, so no second run resumes from or writes into the same folder meanwhile. A hang watchdog
+    (stages.common.watchdog) ends the run when a rank makes no progress for train.hang_timeout_s."""
+    watch = watchdog.Watchdog(
+        rt.rank,
+        rt.world_size,
+        cfg.hang_timeout_s,
+        on_hang=getattr(tracker, "fail_from_thread", None),
+        store=watchdog.default_store(),
+    )
+    try:
+        return _train(model, train_data, val_data, cfg, context_length, rt, ckpt_folder, tracker, stop, watch)
+    finally:
+        watch.close()
+
+
+def _train(model, train_data, val_data, cfg, context_length, rt, ckpt_folder, tracker, stop, watch) -> TrainResult:
     tr = build(model, train_data, val_data, cfg, context_length, rt)
     model, optimizer, scaler = tr.model, tr.optimizer, tr.scaler
     saver = ckpt.Checkpointer(ckpt_folder, cfg.checkpoint_every, cfg.steps, rt)
@@ -301,10 +322,13 @@ def train(
     stopped = False
     bar = runtime.progress(total=cfg.steps, initial=state.step, desc="train", rt=rt)
     steps: list[Step] = []  # (their times: forward/backward/update; validation and saving excluded)
+    watch.beat(state.step, f"in step {state.step + 1}, the first of this run")
     for index in range(state.step, cfg.steps):
+        watchdog.injected_stall(rt.rank, index)
         out = step(tr, index)
         steps.append(out)
         done = state.step = index + 1
+        watch.beat(done, f"in step {done + 1}", step_s=out.seconds)
         history["step"].append(done)
         history["loss"].append(out.loss)
         history["lr"].append(out.lr)
@@ -318,12 +342,14 @@ def train(
         if done % cfg.log_every == 0 or done == cfg.steps:
             bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{tps:,.0f}")
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-            metrics["val_loss"] = evaluate(model, tr.val_windows, cfg, rt, tr.pipe, tr.layout)
+            beat = functools.partial(watch.beat, where=f"in the validation after step {done}")
+            metrics["val_loss"] = evaluate(model, tr.val_windows, cfg, rt, tr.pipe, tr.layout, beat)
             history["val_step"].append(done)
             history["val_loss"].append(metrics["val_loss"])
         tracker.log_metrics(metrics, step=done)
         stopped = runtime.any_rank(bool(stop))
-        saver.step_done(state, model, optimizer, scaler, stopped)
+        if saver.step_done(state, model, optimizer, scaler, stopped) is not None:
+            watch.beat(where=f"in step {done + 1}, after saving step {done}")
         if stopped:
             runtime.print0(
                 f"stopped by {stop.signal or 'a signal to another rank'} after step {done}; checkpoint "

@@ -55,7 +55,10 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         return
 
 
-def init(timeout_s: int = 1800, cpu_collectives: bool = False) -> Runtime:
+COLLECTIVE_TIMEOUT_S = 1800  # the process group's timeout when a stage sets none (train.collective_timeout_s)
+
+
+def init(timeout_s: float = COLLECTIVE_TIMEOUT_S, cpu_collectives: bool = False) -> Runtime:
     """Join the process group when launched by torchrun; pick the device; share the cores. With
     `cpu_collectives` on GPUs, collectives on CPU tensors get gloo beside nccl (FSDP2's CPU offload
     reduces and clips gradients that live on the host)."""

@@ -112,7 +112,8 @@ def launch(section: str, body, train: TrainConfig | None = None):
     checkpoints, so SIGTERM and SIGINT set `stop` instead of ending the process (the loop saves and
     `loop.fit` raises Stopped: exit 143 after teardown); other stages keep Python's handlers and
     stop at once."""
-    rt = runtime.init(cpu_collectives=train is not None and train.offload)
+    timeout_s = train.collective_timeout_s if train is not None else runtime.COLLECTIVE_TIMEOUT_S
+    rt = runtime.init(timeout_s=timeout_s, cpu_collectives=train is not None and train.offload)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     stop = runtime.handle_signals() if train is not None else runtime.StopFlag()
     stopped = False
@@ -120,6 +121,12 @@ def launch(section: str, body, train: TrainConfig | None = None):
         runtime.preflight(rt)
         if train is not None:
             train.check_layout(f"{section}.train", rt)
+            runtime.print0(
+                f"preflight: collectives time out after {timeout_s:g} s ({section}.train.collective_timeout_s); "
+                f"a rank without progress for {train.hang_timeout_s:g} s or 10 median steps ends the run "
+                f"({section}.train.hang_timeout_s)",
+                rt=rt,
+            )
         return body(rt, stop)
     except Stopped:
         stopped = True
@@ -174,7 +181,8 @@ def checkpoints(section: str, cfg, digest: str, rt: runtime.Runtime, **key):
     says what to do with them."""
     params = config.as_dict(cfg)
     if isinstance(params.get("train"), dict):  # a run may resume under another layout of its processes
-        params["train"] = {k: v for k, v in params["train"].items() if k not in ckpt.LAYOUT_KEYS}
+        unkeyed = (*ckpt.LAYOUT_KEYS, *ckpt.WATCH_KEYS)
+        params["train"] = {k: v for k, v in params["train"].items() if k not in unkeyed}
     folder = ckpt.checkpoint_dir(section, {**params, **key}, digest)
     RESUMED_ACROSS_CODE.pop(section, None)
     with ckpt.exclusive(folder, rt):
@@ -301,10 +309,18 @@ def register_models(tracker, section: str, cfg, models: dict, output, inputs: li
 
 
 def entry(main) -> None:
-    """`python -m stages.<name>`: a UserError becomes one line on stderr (rank 0) and exit code 2."""
+    """`python -m stages.<name>`: a UserError becomes one line on stderr (rank 0) and exit code 2. Under
+    pipelines.launch the first rank to fail this way also leaves the line in PIPELINE_ERROR_FILE: torchrun
+    reports any failed worker as its own exit 1, after pages of its own, and the launcher ends with the line
+    and exit 2."""
     try:
         main()
     except config.UserError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
+        if os.environ.get("PIPELINE_ERROR_FILE"):
+            with contextlib.suppress(FileExistsError):  # the first rank's line is kept
+                fd = os.open(os.environ["PIPELINE_ERROR_FILE"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as fh:
+                    fh.write(f"2\terror: {e}\n")  # (the exit code, then the line)
         raise SystemExit(2) from None

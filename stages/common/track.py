@@ -185,6 +185,17 @@ class Tracker:
 
             mlflow.log_text(text, name)
 
+    def fail_from_thread(self, cause: str) -> None:
+        """End the run FAILED with `cause` tagged (`failure`: hang), from another thread while the stage's
+        main thread is stuck (stages.common.watchdog): the client API, not the thread-bound active run."""
+        if self.run_id:
+            import mlflow
+
+            client = mlflow.MlflowClient()
+            client.set_tag(self.run_id, "failure", "hang")
+            client.set_tag(self.run_id, "failure_cause", cause[:5000])
+            client.set_terminated(self.run_id, status="FAILED")
+
 
 def flatten(d: dict, prefix: str = "") -> dict:
     """{"a": {"b": 1}} -> {"a.b": 1}."""

@@ -76,6 +76,11 @@ class TrainConfig:
     data_parallel_replicate: int = 1
     """strategy fsdp: the data-parallel processes form this many replicas, each sharding the model over
     the rest (HSDP: gradients reduce-scattered within a replica, then all-reduced across replicas)."""
+    hang_timeout_s: float = 300.0
+    """The hang watchdog's floor (stages.common.watchdog): a rank without progress for this long, or for
+    10 median steps when that is longer, ends the run (exit 124), naming the rank and its host."""
+    collective_timeout_s: float = 1800.0
+    """The process group's timeout: how long one collective may wait for the others."""
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -135,6 +140,14 @@ class TrainConfig:
         for key in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("hang_timeout_s", "collective_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key} must be > 0 seconds, got {getattr(self, key)}")
+        if self.collective_timeout_s < self.hang_timeout_s:
+            raise ValueError(
+                f"collective_timeout_s ({self.collective_timeout_s:g}) must be at least hang_timeout_s "
+                f"({self.hang_timeout_s:g}): a stalled peer is then named by the watchdog, not lost in a timeout"
+            )
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr must be between 0 and lr ({self.lr}), got {self.min_lr}")
 
