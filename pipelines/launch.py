@@ -279,6 +279,7 @@ def main() -> None:
             "PIPELINE_STAGE": sys.argv[1],
             "PIPELINE_STOPPED_FILE": str(stopped),
             "PIPELINE_ERROR_FILE": str(error),
+            "PIPELINE_LAUNCH_HOST": socket.gethostname(),  # (the file is on this host)
             "PIPELINE_WORLD_SIZE": str(nproc * nodes),  # what the stage's preflight expects
         },
     )

@@ -83,6 +83,20 @@ def init(timeout_s: float = COLLECTIVE_TIMEOUT_S, cpu_collectives: bool = False)
     return Runtime(rank, world_size, local_rank, local_world_size, device)
 
 
+def leave_last_line(code: int, line: str) -> None:
+    """Leave the stage's last line and exit code where pipelines.launch reads them after torchrun exits
+    (PIPELINE_ERROR_FILE, on the launcher's host, PIPELINE_LAUNCH_HOST): the first process to leave one wins."""
+    path = os.environ.get("PIPELINE_ERROR_FILE")
+    if not path or os.environ.get("PIPELINE_LAUNCH_HOST", socket.gethostname()) != socket.gethostname():
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:  # another rank's line is there already
+        return
+    with os.fdopen(fd, "w") as fh:
+        fh.write(f"{code}\t{line}\n")
+
+
 PREFLIGHT_EXIT = 3  # a process that gave up waiting for the others in preflight
 
 

@@ -318,9 +318,5 @@ def entry(main) -> None:
     except config.UserError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
-        if os.environ.get("PIPELINE_ERROR_FILE"):
-            with contextlib.suppress(FileExistsError):  # the first rank's line is kept
-                fd = os.open(os.environ["PIPELINE_ERROR_FILE"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "w") as fh:
-                    fh.write(f"2\terror: {e}\n")  # (the exit code, then the line)
+        runtime.leave_last_line(2, f"error: {e}")
         raise SystemExit(2) from None

@@ -28,6 +28,8 @@ import threading
 import time
 import traceback
 
+from stages.common import runtime
+
 HANG_EXIT = 124  # the stage ended because a rank made no progress (as GNU timeout's 124)
 HANG_STEP_MULTIPLE = 10  # a step that takes this many median steps is a hang ...
 FIRST_STEP_FACTOR = 3  # ... and before the first step: this many times the floor (loading, compiling)
@@ -90,13 +92,12 @@ def default_store():
 
 class Watchdog:
     """Watches one rank's progress (see the module's doc). `on_hang(cause)` runs on rank 0 before the
-    process exits (the stage marks its MLflow run there); `error_file`: where the launcher reads the
-    stage's last line from (PIPELINE_ERROR_FILE)."""
+    process exits (the stage marks its MLflow run there); the last line and exit code are left for the
+    launcher (runtime.leave_last_line)."""
 
-    def __init__(self, rank: int, world_size: int, floor_s: float, on_hang=None, store=None, error_file=None):
+    def __init__(self, rank: int, world_size: int, floor_s: float, on_hang=None, store=None):
         self.rank, self.world_size, self.floor_s = rank, world_size, float(floor_s)
         self.on_hang, self.store = on_hang, store
-        self.error_file = error_file if error_file is not None else os.environ.get("PIPELINE_ERROR_FILE")
         self.steps_s: list[float] = []
         self.done, self.where = 0, "before the first step"
         self.last = time.monotonic()
@@ -167,13 +168,7 @@ class Watchdog:
                 self.on_hang(message)
             except Exception as e:  # noqa: BLE001 - tracking must not keep a hung stage alive
                 print(f"hang watchdog: could not mark the MLflow run: {e}", file=sys.stderr, flush=True)
-        if self.error_file:
-            try:
-                fd = os.open(self.error_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "w") as fh:
-                    fh.write(f"{HANG_EXIT}\terror: {message}\n")
-            except OSError:
-                pass
+        runtime.leave_last_line(HANG_EXIT, f"error: {message}")
         if self.rank == 0 and store is not None:
             try:
                 store.set("watchdog/reported", "1")
