@@ -570,9 +570,10 @@ def test_a_checkpoint_of_other_code_is_resumed_only_when_asked(tokenized, tmp_pa
 def test_a_rank_that_stops_making_progress_ends_the_run_naming_it(tokenized, tmp_path):
     """Rank 1 of 2 stops for good before step 4 (a fault injected), rank 0 waits in that step's gradient
     all-reduce. Instead of the collective timeout (1800 s), the hang watchdog ends the stage after
-    train.hang_timeout_s (3 s): every rank's Python stacks in the log, rank 1 and its host named in the last
-    line, exit 124 through the launcher, the MLflow run FAILED with the cause tagged, and the step-2
-    checkpoint intact: a re-run resumes from it and finishes."""
+    train.hang_timeout_s (8 s; a step here takes well under a second, also on a busy machine): every
+    rank's Python stacks in the log, rank 1 and its host named in the last line, exit 124 through the
+    launcher, the MLflow run FAILED with the cause tagged, and the step-2 checkpoint intact: a re-run
+    resumes from it and finishes."""
     import socket
     import subprocess
     import sys
@@ -592,7 +593,7 @@ def test_a_rank_that_stops_making_progress_ends_the_run_naming_it(tokenized, tmp
         **TRACKED,
     )
     args = ["--input", str(tokenized / "data/tokenize"), "--output", "out", *TINY, "train.checkpoint_every=2"]
-    cmd = [sys.executable, "-m", "pipelines.launch", "pretrain", *args, "train.hang_timeout_s=3"]
+    cmd = [sys.executable, "-m", "pipelines.launch", "pretrain", *args, "train.hang_timeout_s=8"]
     # (timeout: the guard against the 1800 s collective timeout this test is about)
     proc = subprocess.run(
         cmd, cwd=tmp_path, env={**env, "PIPELINE_FAULT_STALL": "1:3"}, capture_output=True, text=True, timeout=180
