@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The GPU check: the GPU-marked tests and the three GPU benchmarks in one command, figures and logs in OUTDIR.
+# The GPU check: the GPU-marked tests and the GPU benchmarks in one command, figures and logs in OUTDIR.
 #
 #   bench/gpu_check.sh --pack          here, with network access: the wheels a bare GPU machine lacks
-#                                      (bitsandbytes, ruamel.yaml, at requirements.lock's versions, for
-#                                      Python 3.12) and the raw data the tests read, into .gpu/
+#                                      (bitsandbytes, ruamel.yaml, grimp, at requirements.lock's versions, for
+#                                      Python 3.12), the raw data the tests read, and the ci preset's
+#                                      tokenize output made with this machine's pinned packages, into .gpu/
 #   bench/gpu_check.sh OUTDIR          on the GPU machine, from the repository root, with .gpu/ in it
 #   bench/gpu_check.sh --dry OUTDIR    the same code at tiny sizes on this machine's CPU (a minute or two)
 #
-# Steps, each under a time limit of its own (a hang loses that step only; 480 s in all), each one's log
+# Steps, each under a time limit of its own (a hang loses that step only; 540 s in all), each one's log
 # in OUTDIR; figures.json is rewritten after every step, so a run cut short keeps what it measured:
 #   tests.log     pytest tests/test_gpu.py: bf16 compute, a nccl group of one with FSDP2's bf16 policy,
 #                 YaRN fine-tuning, QLoRA with bf16 storage, paged 8-bit AdamW (2-GPU tests skip on one)
@@ -15,10 +16,13 @@
 #   profile.txt   one profiled training step: the kernels that took the time, and time by kind
 #   eval.log      bench/eval_throughput.py: batched vs batch 1, in bf16 and in fp32 (exact perplexities)
 #   qlora.log     bench/qlora_memory.py: NF4 + LoRA vs bf16 LoRA on a ~1B Llama, peak CUDA memory
+#   ci_record.log bench/ci_record_check.py: the ci preset's pretrain and its evaluation, deterministic, in
+#                 fp32 (TF32 off) and bf16, each perplexity against the CPU-recorded one (pipelines/recorded.yaml)
 #   env.txt       the machine, driver and versions
 #   figures.json  every figure, each step's exit code and seconds, and the goals met or missed
-# MLflow is not needed: the stages run with PIPELINE_TRACKING=off. The exit code is 0 when every step ran
-# to the end (goals missed are reported, not failures).
+# The benchmarks' stages run with PIPELINE_TRACKING=off, without MLflow (tests/conftest.py's `tokenized`
+# fixture turns tracking on, so the tests that use it need mlflow installed). The exit code is 0 when every
+# step ran to the end (goals missed are reported, not failures).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PACK=.gpu
@@ -28,7 +32,7 @@ if [ "${1:-}" = "--pack" ]; then
   mirror=${PIPELINE_DATA_MIRROR:-../shared/data}
   rm -rf "$dest"
   mkdir -p "$dest/wheels" "$dest/data/planetoid"
-  for name in bitsandbytes ruamel.yaml; do
+  for name in bitsandbytes ruamel.yaml grimp; do
     version=$(grep -i "^$name==" requirements.lock | cut -d= -f3)
     [ -n "$version" ] || { echo "gpu_check: $name is not pinned in requirements.lock" >&2; exit 2; }
     "${PYTHON:-python3}" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -39,6 +43,7 @@ if [ "${1:-}" = "--pack" ]; then
     [ -d "$mirror/$part" ] || { echo "gpu_check: no $mirror/$part: set PIPELINE_DATA_MIRROR" >&2; exit 2; }
     cp -r "$mirror/$part" "$dest/data/$part"
   done
+  PIPELINE_DATA_MIRROR=$mirror "${PYTHON:-python3}" bench/ci_record_check.py --pack "$dest/ci" || exit 2
   chmod -R u+w "$dest"
   du -sh "$dest"
   exit 0
@@ -129,6 +134,11 @@ if "eval" in figures:
 if "eval_fp32" in figures:
     rel = figures["eval_fp32"]["relative_difference"]
     goals["eval perplexities equal to 1e-6 (fp32)"] = [rel, rel <= 1e-6]
+for precision in ("fp32", "bf16"):
+    found = figures.get("ci_record", {}).get(precision)
+    if found:
+        rel = found["max_relative_difference"]
+        goals[f"ci pretrain {precision}: perplexities within the CPU record's tolerance (largest relative difference)"] = [rel, found["pass"]]
 if "qlora" in figures and "peak_cuda_mb" in figures["qlora"]["nf4"]:
     ratio = figures["qlora"]["nf4"]["peak_cuda_mb"] / figures["qlora"]["none"]["peak_cuda_mb"]
     goals["QLoRA peak CUDA memory <= 0.45x bf16 LoRA"] = [round(ratio, 3), ratio <= 0.45]
@@ -163,7 +173,7 @@ step() {  # step NAME LOG SECONDS COMMAND...: run it under its limit, appending 
   summarize
 }
 
-: >"$OUT/tests.log" >"$OUT/pretrain.log" >"$OUT/eval.log" >"$OUT/qlora.log"
+: >"$OUT/tests.log" >"$OUT/pretrain.log" >"$OUT/eval.log" >"$OUT/qlora.log" >"$OUT/ci_record.log"
 step tests tests.log 130 $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
 if [ $DRY -eq 1 ]; then
   step pretrain pretrain.log 300 $PY bench/pretrain_mfu.py --dry --profile "$OUT/profile.txt" --json "$PARTS/pretrain.json"
@@ -171,11 +181,13 @@ if [ $DRY -eq 1 ]; then
   step eval eval.log 150 $PY bench/eval_throughput.py "${tiny[@]}" --json "$PARTS/eval.json"
   step eval_fp32 eval.log 150 $PY bench/eval_throughput.py "${tiny[@]}" --precision fp32 --json "$PARTS/eval_fp32.json"
   step qlora qlora.log 240 $PY bench/qlora_memory.py --hidden 64 --layers 2 --json "$PARTS/qlora.json"
+  step ci_record ci_record.log 180 $PY bench/ci_record_check.py --json "$PARTS/ci_record.json"
 else
   step pretrain pretrain.log 150 $PY bench/pretrain_mfu.py --profile "$OUT/profile.txt" --json "$PARTS/pretrain.json"
   step eval eval.log 40 $PY bench/eval_throughput.py --tokens 65536 --json "$PARTS/eval.json"
   step eval_fp32 eval.log 40 $PY bench/eval_throughput.py --tokens 65536 --precision fp32 --json "$PARTS/eval_fp32.json"
   step qlora qlora.log 120 $PY bench/qlora_memory.py --hidden 2048 --layers 16 --batch 4 --seq 512 --steps 3 \
     --json "$PARTS/qlora.json"
+  step ci_record ci_record.log 60 $PY bench/ci_record_check.py --json "$PARTS/ci_record.json"
 fi
 summarize final
