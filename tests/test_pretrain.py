@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_MODEL, loss_curve, run_stage
+from conftest import TINY_MODEL, RunsCode, loss_curve, run_stage
 
 from stages import pretrain
 from stages.common import ckpt, config, provenance
@@ -413,16 +413,6 @@ def test_bf16_and_fp16_precisions_train_under_autocast_with_fp32_weights(tokeniz
         assert meta["cpu"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
-class _RunsCode:
-    """Unpickled with weights_only=False, this creates a file: a checkpoint that runs code."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 def test_damaged_or_tampered_checkpoints_are_passed_over(tokenized, tmp_path, monkeypatch):
     """A newest checkpoint whose extra.pt would run code, or whose shard is truncated, is never loaded:
     the re-run warns naming it and resumes from the older intact one, and trains the uninterrupted model."""
@@ -437,7 +427,7 @@ def test_damaged_or_tampered_checkpoints_are_passed_over(tokenized, tmp_path, mo
     # step-4's extra.pt replaced by a pickle that runs code, its manifest rewritten to match
     marker = tmp_path / "code-ran"
     extra = torch.load(folder / "step-4/extra.pt", weights_only=True)
-    torch.save({**extra, "payload": _RunsCode(marker)}, folder / "step-4/extra.pt")
+    torch.save({**extra, "payload": RunsCode(marker)}, folder / "step-4/extra.pt")
     from stages.common import ckpt
 
     ckpt.write_manifest(folder / "step-4")

@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, RunsCode
 
 from stages.common import atomic, ckpt, digest, runtime
 
@@ -182,16 +182,6 @@ def test_the_checkpointer_saves_the_steps_it_decides_on_and_resumes_the_whole_tr
     assert ckpt.Checkpointer(tmp_path / "none", 3, 8, rt).resume(other, other_optimizer).step == 0
 
 
-class _RunsCode:
-    """Unpickled by plain pickle, this creates a file: metadata crafted to run code on resume."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 def test_a_checkpoint_whose_dcp_metadata_would_run_code_is_passed_over(tmp_path, capsys):
     """DCP's state/.metadata is a pickle that torch's own reader loads with pickle.load. One crafted to run
     code, with its manifest rewritten to match (or deleted, as if an older version wrote the checkpoint),
@@ -214,7 +204,7 @@ def test_a_checkpoint_whose_dcp_metadata_would_run_code_is_passed_over(tmp_path,
         saver.step_done(state, model, optimizer)
     newest = tmp_path / "ckpt/step-2"
     metadata = ckpt.read_metadata(newest / "state/.metadata")  # what DCP writes reads as data
-    metadata.planner_data = _RunsCode(tmp_path / "code-ran")
+    metadata.planner_data = RunsCode(tmp_path / "code-ran")
     (newest / "state/.metadata").write_bytes(pickle.dumps(metadata))
     FileSystemReader(newest / "state").read_metadata()
     assert (tmp_path / "code-ran").exists(), "the crafted metadata runs code in torch's own reader"

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import MIRROR, ROOT, TRACKED, run_probe, run_stage
+from conftest import MIRROR, ROOT, TRACKED, RunsCode, run_probe, run_stage
 
 from stages import train_gnn
 from stages.common import config
@@ -207,16 +207,6 @@ def test_missing_raw_files_say_where_they_must_be(workdir):
     assert not (workdir / "data").exists() and not (workdir / "mlflow.db").exists()
 
 
-class _RunsCode:
-    """Unpickled, this creates a file: a raw file crafted to run code in PyG's Planetoid reader."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 def test_a_raw_file_that_is_not_the_published_one_is_never_unpickled(workdir):
     """PyG's Planetoid unpickles ind.* files: one replaced by a pickle that runs code is refused, naming it,
     both at the input check and in the private copy PyG reads; the code never runs and nothing is written."""
@@ -225,7 +215,7 @@ def test_a_raw_file_that_is_not_the_published_one_is_never_unpickled(workdir):
     shutil.copytree(MIRROR / "planetoid/Cora", workdir / "in/planetoid/Cora")
     marker = workdir / "code-ran"
     crafted = workdir / "in/planetoid/Cora/raw/ind.cora.x"
-    crafted.write_bytes(pickle.dumps(_RunsCode(marker)))
+    crafted.write_bytes(pickle.dumps(RunsCode(marker)))
     refused = r"ind\.cora\.x is not the published Planetoid file .*run prepare_data"
     for call in (lambda: train_gnn.main(["--input", "in"]), lambda: train_gnn.load_planetoid(workdir / "in", "Cora")):
         with pytest.raises(config.UserError, match=refused):
