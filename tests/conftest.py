@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -194,7 +195,9 @@ def tokenized(prepared, tmp_path_factory) -> Path:
         shutil.copytree(prepared / "data/prepare_data", root / "data/prepare_data")
         # Tracked: this makes the folder's MLflow store before the tests that train in it in-process, in
         # several workers at once, share it (MLflow's first opening of a store is not safe from two at once).
-        run_stage("tokenize", ["--input", "data/prepare_data", "--output", "data/tokenize"], cwd=root, **TRACKED)
+        # Where MLflow is not installed (a bare GPU machine: bench/gpu_check.sh) nothing tracks.
+        tracked = TRACKED if importlib.util.find_spec("mlflow") else {}
+        run_stage("tokenize", ["--input", "data/prepare_data", "--output", "data/tokenize"], cwd=root, **tracked)
 
     return made_once(tmp_path_factory, "tokenized", make)
 

@@ -14,7 +14,7 @@ from stages.common import config, track
 
 
 @pytest.mark.long
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1400)
 def test_gpu_check_dry_runs_every_step_and_writes_its_figures(tmp_path, mirror):
     out = tmp_path / "out"
     env = {**stage_env(tmp_path, **TRACKED), "PYTHON": sys.executable}
@@ -25,12 +25,12 @@ def test_gpu_check_dry_runs_every_step_and_writes_its_figures(tmp_path, mirror):
         env=env,
         capture_output=True,
         text=True,
-        timeout=1100,  # (the dry steps' limits add up to 970 s: room for a slow or shared machine)
+        timeout=1300,  # (the dry steps' limits add up to 1150 s: room for a slow or shared machine)
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     figures = json.loads((out / "figures.json").read_text())
     assert {name: step["exit"] for name, step in figures["steps"].items()} == dict.fromkeys(
-        ("tests", "pretrain", "eval", "eval_fp32", "qlora"), 0
+        ("tests", "pretrain", "eval", "eval_fp32", "qlora", "ci_record"), 0
     )
     pretrain = figures["pretrain"]
     assert pretrain["compile"] and pretrain["tokens_per_s"] > 0 and 0 < pretrain["mfu_vs_matmul"] < 1.5
@@ -38,13 +38,16 @@ def test_gpu_check_dry_runs_every_step_and_writes_its_figures(tmp_path, mirror):
     assert "aten::" in (out / "profile.txt").read_text()
     assert figures["eval_fp32"]["relative_difference"] < 1e-6, "batched and batch-1 perplexities differ"
     assert figures["qlora"]["nf4"]["linear_weight_mb"] < 0.35 * figures["qlora"]["none"]["linear_weight_mb"]
+    # the ci preset's perplexities on this CPU, in fp32 and bf16, against the CPU record (the GPU's oracle)
+    record = figures["ci_record"]
+    assert record["fp32"]["pass"] and record["fp32"]["max_relative_difference"] < 1e-4, record["fp32"]
+    assert record["bf16"]["pass"] and len(record["bf16"]["rows"]) == len(record["fp32"]["rows"]) == 4
     # without a GPU the GPU tests skip, and the check says so rather than claiming they passed on one
     assert "skipped" in figures["tests"]["summary"] and any("dry" in goal for goal in figures["goals"])
     # the stages ran without MLflow: no store appeared, whatever the caller's setting
     assert not list(tmp_path.rglob("mlflow.db"))
-    assert {"env.txt", "tests.log", "pretrain.log", "profile.txt", "eval.log", "qlora.log", "figures.json"} == {
-        p.name for p in out.iterdir()
-    }
+    logs = {"tests.log", "pretrain.log", "profile.txt", "eval.log", "qlora.log", "ci_record.log"}
+    assert {"env.txt", *logs, "figures.json"} == {p.name for p in out.iterdir()}
 
 
 def test_gpu_check_refuses_a_machine_without_a_gpu(tmp_path):
