@@ -452,7 +452,8 @@ class Checkpointer:
         """Sharded model + optimizer state (every rank writes its shard), plus the train state, RNG state
         and fp16's gradient scaler (the same on every rank); published by renaming, so a crash mid-write
         leaves no `step-*` folder behind. A save in flight is published first. Asynchronous and not
-        `wait`: returns once the state is copied, the write goes on (published by `step_done`/`finish`)."""
+        `wait`: returns once the state is copied, the write goes on (published by `step_done`/`finish`);
+        else written and published before it returns."""
         import torch.distributed.checkpoint as dcp
 
         self.finish()
@@ -466,7 +467,7 @@ class Checkpointer:
         pending = PendingSave(state.step, final, tmp, extra)
         ok = False
         try:
-            if self.asynchronous:
+            if self.asynchronous and not wait:
                 pending.write = dcp.async_save(
                     {"model": model_sd, "optim": optim_sd},
                     checkpoint_id=str(tmp / "state"),
@@ -480,7 +481,7 @@ class Checkpointer:
             if not ok:
                 atomic.publish(final, tmp, rt, ok)
         self.pending = pending
-        if wait or not self.asynchronous:
+        if pending.write is None:
             self.finish()
         return final
 
