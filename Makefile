@@ -74,6 +74,7 @@ bench: $(STAMP)
 	python bench/eval_throughput.py
 	python bench/gnn_epoch.py
 	python bench/qlora_memory.py
+	python bench/checkpoint_stall.py
 	python bench/parallel_study.py   # on data/tokenize: after make run
 
 # The MLflow UI on 127.0.0.1 only, over the embedded store that stages write (mlflow.db, mlartifacts/);

@@ -149,6 +149,7 @@ def test_a_mapping_field_is_overridden_key_by_key():
         (["train.activation_checkpointing=half"], "pretrain.train.activation_checkpointing: unknown policy 'half'"),
         (["train.strategy=fsdp", "train.optimizer=adamw8bit"], "adamw8bit keeps its states per whole parameter"),
         (["train.offload=true"], "pretrain.train.offload: FSDP2's CPU offload shards parameters to the host; set "),
+        (["train.async_checkpoint=maybe"], "pretrain.train.async_checkpoint must be a boolean (true/false), got "),
     ],
 )
 def test_errors_in_sub_sections_name_the_dotted_key(overrides, message):

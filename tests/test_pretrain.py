@@ -92,30 +92,36 @@ def test_ddp_fsdp_and_one_process_train_the_same_model(tokenized, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "layout",
+    "layout, save",
     [
-        ["train.strategy=fsdp", "train.reduce_dtype=bf16", "train.precision=fp16"],
-        ["train.strategy=ddp", "train.reduce_dtype=fp16", "train.optimizer=adamw8bit"],
+        (["train.strategy=fsdp", "train.reduce_dtype=bf16", "train.precision=fp16"], "async"),
+        (["train.strategy=ddp", "train.reduce_dtype=fp16", "train.optimizer=adamw8bit"], "sync"),
     ],
-    ids=["fsdp-fp16", "ddp-adamw8bit"],
+    ids=["fsdp-fp16-async", "ddp-adamw8bit-sync"],
 )
-def test_resume_after_kills_equals_an_uninterrupted_run(tokenized, layout):
+def test_resume_after_kills_equals_an_uninterrupted_run(tokenized, layout, save):
     """FSDP with fp16 autocast, whose gradient scaler is part of the checkpoint (gradients reduce-scattered
-    in bf16), and DDP with 8-bit optimizer states (gradients all-reduced in fp16)."""
+    in bf16), and DDP with 8-bit optimizer states (gradients all-reduced in fp16). Asynchronous checkpoints
+    (written while training goes on) are killed in step 7, with step 6's save in flight and unpublished;
+    synchronous ones in the middle of writing step 6's. The uninterrupted run saves the other way."""
     ckpt_root = tokenized / f"ckpts-{layout[-1]}"
     env = {"PIPELINE_CHECKPOINTS": str(ckpt_root)}
-    args = [*layout, "train.checkpoint_every=2"]
+    args = [*layout, "train.checkpoint_every=2", f"train.async_checkpoint={save == 'async'}"]
     whole, resumed = f"whole-{layout[-1]}", f"resumed-{layout[-1]}"
-    run(tokenized, whole, 2, *args, **env)
+    run(tokenized, whole, 2, *args, f"train.async_checkpoint={save != 'async'}", **env)
     assert not list(ckpt_root.glob("pretrain/*/step-*")), "a finished run removes its checkpoints"
-    # SIGKILL in the middle of writing the step-6 checkpoint: step-2 and step-4 are complete.
-    proc = run(tokenized, resumed, 2, *args, check=False, PIPELINE_FAULT_IN_CHECKPOINT="6", **env)
+    fault = {"async": "PIPELINE_FAULT_SAVE_IN_FLIGHT", "sync": "PIPELINE_FAULT_IN_CHECKPOINT"}[save]
+    proc = run(tokenized, resumed, 2, *args, check=False, **{fault: "6"}, **env)
     assert proc.returncode != 0
+    # step-2 and step-4 are complete and hold the state of their own step
     kept = sorted(p.name for p in ckpt_root.glob("pretrain/*/*"))
     assert "step-4" in kept and "step-6" not in kept and all(n.startswith(("step-", ".step-")) for n in kept)
+    assert any(n.startswith(".step-6.tmp-") for n in kept), "killed while step 6's checkpoint was written"
+    (step4,) = ckpt_root.glob("pretrain/*/step-4")
+    extra = torch.load(step4 / "extra.pt", weights_only=True)
+    assert extra["step"] == 4 and extra["history"]["step"] == [1, 2, 3, 4] and ckpt.checkpoint_problem(step4) is None
     if "train.precision=fp16" in layout:
-        (step4,) = ckpt_root.glob("pretrain/*/step-4")
-        assert torch.load(step4 / "extra.pt", weights_only=True)["grad_scaler"]["scale"] > 1
+        assert extra["grad_scaler"]["scale"] > 1
     proc = run(tokenized, resumed, 2, *args, **env)
     assert "resuming from" in proc.stdout + proc.stderr and "step 4" in proc.stdout + proc.stderr
     np.testing.assert_array_equal(loss_curve(tokenized, resumed), loss_curve(tokenized, whole))
@@ -167,7 +173,9 @@ def test_sigterm_checkpoints_and_the_rerun_resumes(tokenized):
 def test_ctrl_c_under_the_launcher_and_torchrun_saves_a_checkpoint(tokenized):
     """Ctrl-C signals the terminal's foreground process group (the launcher and torchrun; torchrun's
     workers run in a session of their own and hear it from torchrun): both ranks finish the step, save
-    a checkpoint and stop, with no KeyboardInterrupt."""
+    a checkpoint and stop, with no KeyboardInterrupt. With an asynchronous checkpoint every step, the
+    stop comes while the previous step's is in flight: it is published first, then the stop's step is
+    saved synchronously."""
     import signal
     import subprocess
     import sys
@@ -189,7 +197,7 @@ def test_ctrl_c_under_the_launcher_and_torchrun_saves_a_checkpoint(tokenized):
         *TINY,
         "train.steps=400",
         "train.eval_every=0",
-        "train.checkpoint_every=0",
+        "train.checkpoint_every=1",
     ]
     log = tokenized / "int.log"
     with open(log, "w") as fh:
@@ -208,12 +216,16 @@ def test_ctrl_c_under_the_launcher_and_torchrun_saves_a_checkpoint(tokenized):
     assert "SIGINT received: finishing the step, then saving" in text and "stopped by SIGINT after step" in text, text[
         -4000:
     ]
-    saved = list(ckpt_root.glob("pretrain/*/step-*"))
-    assert len(saved) == 1 and not (tokenized / "int").exists()
+    (folder,) = (p for p in ckpt_root.glob("pretrain/*") if p.is_dir())
+    saved = ckpt.checkpoints(folder)
+    assert len(saved) == 2 and not (tokenized / "int").exists()
     step = int(saved[0].name[5:])
-    assert 0 < step < 400 and f"stopped by SIGINT after step {step};" in text
-
-    assert ckpt.checkpoint_problem(saved[0]) is None, "the checkpoint is complete and intact"
+    assert 1 < step < 400 and f"stopped by SIGINT after step {step};" in text
+    assert saved[1].name == f"step-{step - 1}", "the checkpoint in flight at the stop is published"
+    for path, at in zip(saved, (step, step - 1), strict=True):
+        assert ckpt.checkpoint_problem(path) is None, "the checkpoint is complete and intact"
+        extra = torch.load(path / "extra.pt", weights_only=True)
+        assert extra["step"] == at and len(extra["history"]["loss"]) == at
 
 
 def _stage_processes(folder, output: str) -> list[int]:
@@ -558,12 +570,12 @@ def test_a_checkpoint_of_other_code_is_resumed_only_when_asked(tokenized, tmp_pa
 
 
 def test_a_rank_that_stops_making_progress_ends_the_run_naming_it(tokenized, tmp_path):
-    """Rank 1 of 2 stops for good before step 4 (a fault injected), rank 0 waits in that step's gradient
+    """Rank 1 of 2 stops for good before step 5 (a fault injected), rank 0 waits in that step's gradient
     all-reduce. Instead of the collective timeout (1800 s), the hang watchdog ends the stage after
     train.hang_timeout_s (8 s; a step here takes well under a second, also on a busy machine): every
     rank's Python stacks in the log, rank 1 and its host named in the last line, exit 124 through the
-    launcher, the MLflow run FAILED with the cause tagged, and the step-2 checkpoint intact: a re-run
-    resumes from it and finishes."""
+    launcher, the MLflow run FAILED with the cause tagged, and the step-2 checkpoint intact (step 4's,
+    asynchronous, was still unpublished: it is lost with the run): a re-run resumes from step 2 and finishes."""
     import socket
     import subprocess
     import sys
@@ -586,13 +598,14 @@ def test_a_rank_that_stops_making_progress_ends_the_run_naming_it(tokenized, tmp
     cmd = [sys.executable, "-m", "pipelines.launch", "pretrain", *args, "train.hang_timeout_s=8"]
     # (timeout: the guard against the 1800 s collective timeout this test is about)
     proc = subprocess.run(
-        cmd, cwd=tmp_path, env={**env, "PIPELINE_FAULT_STALL": "1:3"}, capture_output=True, text=True, timeout=180
+        cmd, cwd=tmp_path, env={**env, "PIPELINE_FAULT_STALL": "1:4"}, capture_output=True, text=True, timeout=180
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == watchdog.HANG_EXIT, log[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     host = socket.gethostname()
-    assert re.match(rf"error: hang: rank 1 on {re.escape(host)} \(in step 4\) made no progress for \d+ s", last), last
+    where = r"\(in step 5, after checkpoint step-4\)"
+    assert re.match(rf"error: hang: rank 1 on {re.escape(host)} {where} made no progress for \d+ s", last), last
     assert "preflight: collectives time out after 1800 s (pretrain.train.collective_timeout_s)" in log, log[-3000:]
     rank0, rank1 = log.index("[rank 0] "), log.index("[rank 1] ")
     assert "waits in a collective; Python stacks:" in log[rank0:rank1], log[rank0:]

@@ -145,40 +145,53 @@ def test_manifest_tells_intact_checkpoints_from_damaged_ones(tmp_path, capsys):
     assert "has no manifest.json (an older version wrote it)" in capsys.readouterr().out
 
 
-def test_the_checkpointer_saves_the_steps_it_decides_on_and_resumes_the_whole_train_state(tmp_path):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_the_checkpointer_saves_the_steps_it_decides_on_and_resumes_the_whole_train_state(tmp_path, asynchronous):
     """Every 3 of 8 steps before the last, and the step a stop ends a run on; the newest two kept. A
-    resume loads model, optimizer, steps, history, RNG and fp16's scaler as they were saved."""
+    resume loads model, optimizer, steps, history, RNG and fp16's scaler as they were at the saved step.
+    Asynchronous: a save is written while training goes on and published (`step-*`) only when no rank
+    writes any more (here: always some, as far as each step knows) or before the next save or a stop's."""
+    import copy
+
     import torch
 
     rt = runtime.init()
-    saver = ckpt.Checkpointer(tmp_path, every=3, steps=8, rt=rt)
+    saver = ckpt.Checkpointer(tmp_path, every=3, steps=8, rt=rt, asynchronous=asynchronous)
     assert [done for done in range(1, 9) if saver.due(done, stopped=False)] == [3, 6]
     assert saver.due(5, stopped=True) and not ckpt.Checkpointer(tmp_path, 0, 8, rt).due(6, stopped=False)
 
     def parts(seed: int):
         torch.manual_seed(seed)
         model = torch.nn.Linear(4, 2)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-        model(torch.randn(3, 4)).sum().backward()
-        optimizer.step()
-        return model, optimizer, torch.amp.GradScaler("cpu", init_scale=2.0**seed)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", init_scale=2.0**seed)
 
     model, optimizer, scaler = parts(7)
-    state = ckpt.TrainState()
+    state, at = ckpt.TrainState(), {}
     for done in range(1, 8):
+        model(torch.randn(3, 4)).sum().backward()  # (draws from the RNG too)
+        optimizer.step()
+        optimizer.zero_grad()
         state.step = done
         state.history["step"].append(done)
-        assert (saver.step_done(state, model, optimizer, scaler, stopped=done == 7) is not None) == (done in (3, 6, 7))
-    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-6", "step-7"]
-    rng = torch.get_rng_state()
-    torch.manual_seed(99)
-    other, other_optimizer, other_scaler = parts(3)
-    resumed = ckpt.Checkpointer(tmp_path, 3, 8, rt).resume(other, other_optimizer, other_scaler)
-    assert (resumed.step, resumed.history["step"]) == (7, list(range(1, 8)))
-    assert torch.equal(torch.get_rng_state(), rng) and other_scaler.get_scale() == 2.0**7
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True))
-    moments = zip(model.parameters(), other.parameters(), strict=True)
-    assert all(torch.equal(optimizer.state[a]["exp_avg"], other_optimizer.state[b]["exp_avg"]) for a, b in moments)
+        at[done] = copy.deepcopy((model.state_dict(), optimizer.state_dict())), torch.get_rng_state()
+        saved = saver.step_done(state, model, optimizer, scaler, stopped=done == 7, writing=True)
+        assert (saved is not None) == (done in (3, 6, 7))
+        if asynchronous and done in (3, 6):
+            assert saver.pending.step == done and not (tmp_path / f"step-{done}").exists(), "in flight, unpublished"
+    assert saver.pending is None and sorted(p.name for p in tmp_path.glob("step-*")) == ["step-6", "step-7"]
+    saver.close()
+
+    for step in (7, 6):  # step 6's checkpoint holds step 6's state, though training went on while it was written
+        torch.manual_seed(99)
+        other, other_optimizer, other_scaler = parts(3)
+        resumed = ckpt.Checkpointer(tmp_path, 3, 8, rt).resume(other, other_optimizer, other_scaler)
+        (weights, moments), rng = at[step]
+        assert (resumed.step, resumed.history["step"]) == (step, list(range(1, step + 1)))
+        assert torch.equal(torch.get_rng_state(), rng) and other_scaler.get_scale() == 2.0**7
+        assert all(torch.equal(weights[k], v) for k, v in other.state_dict().items())
+        got = other_optimizer.state_dict()["state"]
+        assert all(torch.equal(moments["state"][i]["exp_avg"], got[i]["exp_avg"]) for i in got)
+        shutil.rmtree(tmp_path / f"step-{step}")
     assert ckpt.Checkpointer(tmp_path / "none", 3, 8, rt).resume(other, other_optimizer).step == 0
 
 

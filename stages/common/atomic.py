@@ -26,33 +26,49 @@ def folder(final: str | Path, rt: runtime.Runtime | None = None):
     one), on error removed. With a distributed `rt` every rank writes into the same folder (it needs a
     filesystem shared by the ranks) and rank 0 renames it once all ranks succeeded; with `rt=None` the
     caller is the only writer."""
-    final = Path(final)
-    collective = rt is not None and rt.distributed
-    tmp = None
-    if rt is None or rt.is_main:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_sibling(final)
-        tmp.mkdir()
-    if collective:
-        tmp = Path(runtime.broadcast_object(str(tmp) if tmp else None))
+    tmp = begin(final, rt)
     ok = False
     try:
         yield tmp
         ok = True
     finally:
-        all_ok = not runtime.any_rank(not ok) if collective else ok
-        if rt is None or rt.is_main:
-            if all_ok:
-                if final.exists():
-                    old = _tmp_sibling(final)
-                    final.rename(old)
-                    shutil.rmtree(old)
-                tmp.rename(final)
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
-        if collective:
-            runtime.barrier()
-    if not all_ok:  # only reached where this rank's own part succeeded
+        publish(final, tmp, rt, ok)
+
+
+def begin(final: str | Path, rt: runtime.Runtime | None = None) -> Path:
+    """The first half of `folder`: a new temporary folder beside `final` (on every rank: rank 0's). A
+    writer that outlives one call (an asynchronous checkpoint) calls `publish` later, at a point every
+    rank reaches."""
+    final = Path(final)
+    tmp = None
+    if rt is None or rt.is_main:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _tmp_sibling(final)
+        tmp.mkdir()
+    if rt is not None and rt.distributed:
+        tmp = Path(runtime.broadcast_object(str(tmp) if tmp else None))
+    return tmp
+
+
+def publish(final: str | Path, tmp: Path, rt: runtime.Runtime | None, ok: bool) -> None:
+    """The second half of `folder`: rename `tmp` to `final` when every rank's part is `ok`, else remove
+    it. Raises where this rank's part succeeded but another rank's failed (where this one failed, its
+    own error is the caller's to raise)."""
+    final = Path(final)
+    collective = rt is not None and rt.distributed
+    all_ok = not runtime.any_rank(not ok) if collective else ok
+    if rt is None or rt.is_main:
+        if all_ok:
+            if final.exists():
+                old = _tmp_sibling(final)
+                final.rename(old)
+                shutil.rmtree(old)
+            tmp.rename(final)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if collective:
+        runtime.barrier()
+    if ok and not all_ok:
         raise RuntimeError(f"another rank failed while writing {final}; it was not published")
 
 

@@ -12,12 +12,14 @@ loss history and RNG state (extra.pt, plain data), and a manifest of its files' 
 written last; it is published by renaming (stages.common.atomic), so a crash mid-save leaves no
 `step-*` folder, and a damaged one is passed over on resume. The folder is locked (flock) by the run
 that trains into it. A run's `Checkpointer` owns its train state (steps done, history, RNG, fp16's
-scaler): it resumes it, and decides which steps save.
+scaler): it resumes it, decides which steps save, and saves them synchronously or asynchronously (the
+write overlapping the next steps; published, as above, once every rank's write is done).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import hashlib
 import importlib
@@ -27,6 +29,7 @@ import os
 import pickle
 import shutil
 import signal
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +50,8 @@ LAYOUT_KEYS = (
 )  # fmt: skip
 # How a run is watched, not what it computes: not part of the checkpoint folder's key either.
 WATCH_KEYS = ("hang_timeout_s", "collective_timeout_s")
+# How a run saves, not what it computes: a run resumes the checkpoints of the other mode.
+SAVE_KEYS = ("async_checkpoint",)
 
 
 # PIPELINE_CHECKPOINTS, else checkpoints/ in the repository (DVC_ROOT: also for a queued or temporary DVC
@@ -359,14 +364,54 @@ class TrainState:
     history: dict = field(default_factory=new_history)
 
 
+@dataclass
+class PendingSave:
+    """A checkpoint saved but not yet published."""
+
+    step: int
+    final: Path
+    tmp: Path
+    """The hidden folder it is written into (atomic.begin), renamed to `final` when published."""
+    extra: dict
+    """extra.pt's content, taken at the save's step (train state, history, RNG state, fp16's scaler)."""
+    write: Future | None = None
+    """The background write of the model and optimizer state (asynchronous saves)."""
+
+
 class Checkpointer:
     """A training run's checkpoints in `folder`: resumes the train state (steps done, history, RNG state,
     fp16's gradient scaler) from the newest intact checkpoint, and decides which steps save: every
     `every` steps before the last one (0: none), and the step a stop signal ended the run on. Keeps the
-    newest `keep`. The stage holds the folder's lock (stage.checkpoints) around the run."""
+    newest `keep`. The stage holds the folder's lock (stage.checkpoints) around the run.
 
-    def __init__(self, folder: Path, every: int, steps: int, rt: runtime.Runtime, keep: int = 2):
+    `asynchronous`: a due step's save only copies the model and optimizer state to host memory (DCP's
+    async_save with a DefaultStager kept for the run: every tensor copied, CPU ones too, before it
+    returns) and takes the rest of the train state; a background thread writes the copy while training
+    goes on, its collectives on a gloo process group of their own (they never interleave with the
+    loop's). The loop asks every step, in the all-reduce it makes anyway, whether some rank still writes
+    (`writing`); the first step at which none does, every rank publishes it (`finish`). At most one save
+    is in flight: the next save, a stop's save (synchronous) and the end of training wait for it first."""
+
+    def __init__(
+        self, folder: Path, every: int, steps: int, rt: runtime.Runtime, keep: int = 2,
+        asynchronous: bool = False, timeout_s: float = runtime.COLLECTIVE_TIMEOUT_S,
+    ):  # fmt: skip
         self.folder, self.every, self.steps, self.rt, self.keep = Path(folder), every, steps, rt, keep
+        self.asynchronous = asynchronous
+        self.pending: PendingSave | None = None
+        self.stager, self.group = None, None
+        if asynchronous:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # Staged on the calling thread (no staging thread), into plain host memory (neither pinned nor
+            # shared: no CUDA needed); the stager keeps its copy between saves and refills it.
+            self.stager = DefaultStager(StagingOptions(False, False, False, False))
+            if rt.distributed:  # (a collective: every rank makes its Checkpointer at the same point)
+                import datetime
+
+                import torch.distributed as dist
+
+                self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
     def resume(self, model, optimizer, scaler=None) -> TrainState:
         """Load the newest intact checkpoint into model, optimizer and scaler (rank 0 picks it, passing a
@@ -385,40 +430,103 @@ class Checkpointer:
         """Whether the step that made `done` steps saves (`stopped`: a stop signal ends the run after it)."""
         return stopped or bool(self.every and done % self.every == 0 and done < self.steps)
 
-    def step_done(self, state: TrainState, model, optimizer, scaler=None, stopped: bool = False) -> Path | None:
-        """After a step: save the state if the step is due (`due`). The checkpoint's folder, or None."""
-        if not self.due(state.step, stopped):
-            return None
-        return self.save(state, model, optimizer, scaler)
+    def writing(self) -> bool:
+        """Whether this rank's background write of the checkpoint in flight is still running."""
+        return self.pending is not None and self.pending.write is not None and not self.pending.write.done()
 
-    def save(self, state: TrainState, model, optimizer, scaler=None) -> Path:
+    def step_done(
+        self, state: TrainState, model, optimizer, scaler=None, stopped: bool = False, writing: bool = False
+    ) -> Path | None:
+        """After a step, on every rank: publish the checkpoint in flight unless a rank still writes it
+        (`writing`: `writing()` of any rank), then save the state if the step is due (`due`; synchronously
+        on a stop). The checkpoint published, saved or started, or None."""
+        fault = os.environ.get("PIPELINE_FAULT_SAVE_IN_FLIGHT")
+        if self.pending is not None and fault == str(self.pending.step) and state.step > self.pending.step:
+            os.kill(os.getpid(), signal.SIGKILL)  # fault injection: killed with a save in flight, unpublished
+        published = self.finish() if self.pending is not None and not writing else None
+        if not self.due(state.step, stopped):
+            return published
+        return self.save(state, model, optimizer, scaler, wait=stopped)
+
+    def save(self, state: TrainState, model, optimizer, scaler=None, wait: bool = True) -> Path:
         """Sharded model + optimizer state (every rank writes its shard), plus the train state, RNG state
         and fp16's gradient scaler (the same on every rank); published by renaming, so a crash mid-write
-        leaves no `step-*` folder behind."""
+        leaves no `step-*` folder behind. A save in flight is published first. Asynchronous and not
+        `wait`: returns once the state is copied, the write goes on (published by `step_done`/`finish`);
+        else written and published before it returns."""
         import torch.distributed.checkpoint as dcp
 
-        rt, folder = self.rt, self.folder
-        final = folder / f"step-{state.step}"
+        self.finish()
+        rt = self.rt
+        final = self.folder / f"step-{state.step}"
         model_sd, optim_sd, _ = state_dicts(model, optimizer)
-        with atomic.folder(final, rt) as tmp:
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+        extra = {"step": state.step, "history": copy.deepcopy(state.history), "torch_rng": torch.get_rng_state()}
+        if scaler is not None:
+            extra["grad_scaler"] = scaler.state_dict()
+        tmp = atomic.begin(final, rt)
+        pending = PendingSave(state.step, final, tmp, extra)
+        ok = False
+        try:
+            if self.asynchronous and not wait:
+                pending.write = dcp.async_save(
+                    {"model": model_sd, "optim": optim_sd},
+                    checkpoint_id=str(tmp / "state"),
+                    process_group=self.group,
+                    async_stager=self.stager,
+                )
+            else:
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+            ok = True
+        finally:
+            if not ok:
+                atomic.publish(final, tmp, rt, ok)
+        self.pending = pending
+        if pending.write is None:
+            self.finish()
+        return final
+
+    def finish(self) -> Path | None:
+        """Publish the checkpoint in flight (on every rank, at the same step): wait for this rank's write;
+        extra.pt and the writer record (rank 0); every rank's shard on disk (barrier) before the manifest;
+        the rename; the oldest beyond `keep` removed. The published folder, or None when none was in flight."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        rt = self.rt
+        ok = False
+        try:
+            if pending.write is not None:
+                pending.write.result()  # (raises what the background write raised)
             if rt.is_main:
-                extra = {"step": state.step, "history": state.history, "torch_rng": torch.get_rng_state()}
-                if scaler is not None:
-                    extra["grad_scaler"] = scaler.state_dict()
-                torch.save(extra, tmp / "extra.pt")
-                atomic.write_json(tmp / WRITER_FILE, WRITER or writer_record(""))
+                torch.save(pending.extra, pending.tmp / "extra.pt")
+                atomic.write_json(pending.tmp / WRITER_FILE, WRITER or writer_record(""))
             runtime.barrier()  # every rank's shard is on disk before the manifest records them
             if rt.is_main:
-                write_manifest(tmp)
-            if os.environ.get("PIPELINE_FAULT_IN_CHECKPOINT") == str(state.step):
+                write_manifest(pending.tmp)
+            if os.environ.get("PIPELINE_FAULT_IN_CHECKPOINT") == str(pending.step):
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the resume tests
+            ok = True
+        finally:
+            atomic.publish(pending.final, pending.tmp, rt, ok)
         if rt.is_main:
-            done = sorted((p for p in folder.glob("step-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
-            for old in done[: -self.keep]:
+            for old in checkpoints(self.folder)[self.keep :]:
                 shutil.rmtree(old, ignore_errors=True)
         runtime.barrier()
-        return final
+        return pending.final
+
+    def close(self) -> None:
+        """Free the staging copy and the process group of asynchronous saves (after `finish`). A write still
+        running (a run that ended on an error) keeps them: the process's exit ends it."""
+        if self.writing():
+            return
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self.group)
+            self.group = None
 
     @staticmethod
     def _load(path: Path, model, optimizer) -> dict:

@@ -294,8 +294,9 @@ def train(
     """Train `model` (a transformers causal LM, or a PEFT model around one) for cfg.steps optimizer
     steps of sequences of `context_length` tokens (`build`, then `step` after step), resuming from the
     newest intact checkpoint in `ckpt_folder`; each step is logged to `tracker`, validated every
-    `eval_every` steps and saved every `checkpoint_every`. A stop signal ends it after the step with a
-    checkpoint (`stopped`). Stages hold the folder's lock (stage.checkpoints) around it and their
+    `eval_every` steps and saved every `checkpoint_every` (written in the background with
+    `async_checkpoint`: see ckpt.Checkpointer). A stop signal ends it after the step with a checkpoint
+    (`stopped`). Stages hold the folder's lock (stage.checkpoints) around it and their
     publishing, so no second run resumes from or writes into the same folder meanwhile. A hang watchdog
     (stages.common.watchdog) ends the run when a rank makes no progress for train.hang_timeout_s."""
     watch = watchdog.Watchdog(
@@ -305,16 +306,21 @@ def train(
         on_hang=getattr(tracker, "fail_from_thread", None),
         store=watchdog.default_store(),
     )
+    # (without periodic checkpoints the only one is a stop's, which is synchronous)
+    asynchronous = cfg.async_checkpoint and cfg.checkpoint_every > 0
+    saver = ckpt.Checkpointer(
+        ckpt_folder, cfg.checkpoint_every, cfg.steps, rt, asynchronous=asynchronous, timeout_s=cfg.collective_timeout_s
+    )
     try:
-        return _train(model, train_data, val_data, cfg, context_length, rt, ckpt_folder, tracker, stop, watch)
+        return _train(model, train_data, val_data, cfg, context_length, rt, saver, tracker, stop, watch)
     finally:
+        saver.close()
         watch.close()
 
 
-def _train(model, train_data, val_data, cfg, context_length, rt, ckpt_folder, tracker, stop, watch) -> TrainResult:
+def _train(model, train_data, val_data, cfg, context_length, rt, saver, tracker, stop, watch) -> TrainResult:
     tr = build(model, train_data, val_data, cfg, context_length, rt)
     model, optimizer, scaler = tr.model, tr.optimizer, tr.scaler
-    saver = ckpt.Checkpointer(ckpt_folder, cfg.checkpoint_every, cfg.steps, rt)
     state = saver.resume(model, optimizer, scaler)
     history = state.history
     dtype = cfg.compute_dtype(rt.device)
@@ -347,9 +353,12 @@ def _train(model, train_data, val_data, cfg, context_length, rt, ckpt_folder, tr
             history["val_step"].append(done)
             history["val_loss"].append(metrics["val_loss"])
         tracker.log_metrics(metrics, step=done)
-        stopped = runtime.any_rank(bool(stop))
-        if saver.step_done(state, model, optimizer, scaler, stopped) is not None:
-            watch.beat(where=f"in step {done + 1}, after saving step {done}")
+        # One all-reduce: a stop signal on some rank, and whether some rank still writes a checkpoint in
+        # the background (the checkpointer publishes it at the first step where none does: all ranks alike).
+        stopped, writing = runtime.any_ranks(bool(stop), saver.writing())
+        checkpoint = saver.step_done(state, model, optimizer, scaler, stopped, writing)
+        if checkpoint is not None:  # (saved, started or published)
+            watch.beat(where=f"in step {done + 1}, after checkpoint {checkpoint.name}")
         if stopped:
             runtime.print0(
                 f"stopped by {stop.signal or 'a signal to another rank'} after step {done}; checkpoint "
@@ -357,6 +366,9 @@ def _train(model, train_data, val_data, cfg, context_length, rt, ckpt_folder, tr
                 rt=rt,
             )
             break
+    checkpoint = saver.finish()  # the checkpoint in flight, if any, waited for and published
+    if checkpoint is not None:
+        watch.beat(where=f"after step {state.step}, after checkpoint {checkpoint.name}")
     bar.close()
     # Throughput from the median step time of this run, the first step (warm-up, allocation) left out
     # when there are others: the median is not moved by a few steps slowed by other jobs on the machine.

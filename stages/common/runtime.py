@@ -334,10 +334,16 @@ def handle_signals() -> StopFlag:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when it is true on some rank (so all ranks stop at the same step)."""
+    return any_ranks(flag)[0]
+
+
+def any_ranks(*flags: bool) -> tuple[bool, ...]:
+    """`any_rank` of several flags in one all-reduce (the training loop's stop signal and its checkpoint
+    writes in flight, asked once per step)."""
     if not dist.is_initialized():
-        return bool(flag)
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        return tuple(bool(f) for f in flags)
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int64)
     if dist.get_backend() == "nccl":
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return tuple(bool(v) for v in t.tolist())

@@ -181,7 +181,7 @@ def checkpoints(section: str, cfg, digest: str, rt: runtime.Runtime, **key):
     says what to do with them."""
     params = config.as_dict(cfg)
     if isinstance(params.get("train"), dict):  # a run may resume under another layout of its processes
-        unkeyed = (*ckpt.LAYOUT_KEYS, *ckpt.WATCH_KEYS)
+        unkeyed = (*ckpt.LAYOUT_KEYS, *ckpt.WATCH_KEYS, *ckpt.SAVE_KEYS)
         params["train"] = {k: v for k, v in params["train"].items() if k not in unkeyed}
     folder = ckpt.checkpoint_dir(section, {**params, **key}, digest)
     RESUMED_ACROSS_CODE.pop(section, None)

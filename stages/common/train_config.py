@@ -81,6 +81,10 @@ class TrainConfig:
     10 median steps when that is longer, ends the run (exit 124), naming the rank and its host."""
     collective_timeout_s: float = 1800.0
     """The process group's timeout: how long one collective may wait for the others."""
+    async_checkpoint: bool = True
+    """Checkpoints are written in the background while training goes on (the step that saves only copies
+    the state to host memory; published atomically once every rank's write is done); false: the step
+    waits for the whole write. The same checkpoints either way; a stop signal's checkpoint is synchronous."""
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
