@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import ROOT, RunsCode
+from conftest import ROOT, RunsCode, run_probe
 
 from stages.common import atomic, ckpt, digest, runtime
 
@@ -193,6 +193,13 @@ def test_the_checkpointer_saves_the_steps_it_decides_on_and_resumes_the_whole_tr
         assert all(torch.equal(moments["state"][i]["exp_avg"], got[i]["exp_avg"]) for i in got)
         shutil.rmtree(tmp_path / f"step-{step}")
     assert ckpt.Checkpointer(tmp_path / "none", 3, 8, rt).resume(other, other_optimizer).step == 0
+
+
+def test_a_checkpoint_copy_that_fails_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    """An asynchronous save whose copy to host memory fails on rank 1 alone (tests/checkpoint_failure_probe.py):
+    both ranks raise, the hidden folder is removed, and their collectives stay in step."""
+    (tmp_path / "ckpts").mkdir()
+    run_probe("checkpoint_failure_probe.py", [tmp_path / "ckpts"], tmp_path, nproc=2)
 
 
 def test_a_checkpoint_whose_dcp_metadata_would_run_code_is_passed_over(tmp_path, capsys):

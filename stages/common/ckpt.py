@@ -465,21 +465,28 @@ class Checkpointer:
             extra["grad_scaler"] = scaler.state_dict()
         tmp = atomic.begin(final, rt)
         pending = PendingSave(state.step, final, tmp, extra)
-        ok = False
+        error = None
         try:
             if self.asynchronous and not wait:
+                from torch.distributed.checkpoint import FileSystemWriter
+
                 pending.write = dcp.async_save(
                     {"model": model_sd, "optim": optim_sd},
-                    checkpoint_id=str(tmp / "state"),
+                    # The state is in host memory already: no copy ahead from a GPU, which in the writing
+                    # thread (whose current device is GPU 0) would open a CUDA context on GPU 0 per rank.
+                    storage_writer=FileSystemWriter(str(tmp / "state"), per_thread_copy_ahead=0),
                     process_group=self.group,
                     async_stager=self.stager,
                 )
             else:
                 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
-            ok = True
-        finally:
-            if not ok:
-                atomic.publish(final, tmp, rt, ok)
+        except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+            error = e
+        # Every rank learns whether some rank failed (copying the state to host memory can fail on one
+        # rank alone): then all remove the folder together and raise, none goes on to train.
+        if runtime.any_rank(error is not None):
+            atomic.publish(final, tmp, rt, ok=False)
+            raise error or RuntimeError(f"another rank failed while saving {final}; it was not written")
         self.pending = pending
         if pending.write is None:
             self.finish()
@@ -516,7 +523,8 @@ class Checkpointer:
 
     def close(self) -> None:
         """Free the staging copy and the process group of asynchronous saves (after `finish`). A write still
-        running (a run that ended on an error) keeps them: the process's exit ends it."""
+        running (a run that ended on an error) keeps them: the interpreter waits for that thread at exit,
+        and its folder stays hidden (unpublished)."""
         if self.writing():
             return
         if self.stager is not None:

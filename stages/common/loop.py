@@ -307,14 +307,17 @@ def train(
         store=watchdog.default_store(),
     )
     # (without periodic checkpoints the only one is a stop's, which is synchronous)
-    asynchronous = cfg.async_checkpoint and cfg.checkpoint_every > 0
-    saver = ckpt.Checkpointer(
-        ckpt_folder, cfg.checkpoint_every, cfg.steps, rt, asynchronous=asynchronous, timeout_s=cfg.collective_timeout_s
-    )
+    asynchronous = cfg.async_checkpoint and 0 < cfg.checkpoint_every < cfg.steps
+    saver = None
     try:
+        saver = ckpt.Checkpointer(
+            ckpt_folder, cfg.checkpoint_every, cfg.steps, rt, asynchronous=asynchronous,
+            timeout_s=cfg.collective_timeout_s,
+        )  # fmt: skip
         return _train(model, train_data, val_data, cfg, context_length, rt, saver, tracker, stop, watch)
     finally:
-        saver.close()
+        if saver is not None:
+            saver.close()
         watch.close()
 
 
