@@ -404,3 +404,41 @@ def test_the_hang_limit_is_a_floor_or_ten_median_steps():
     assert hang_limit(300, []) == FIRST_STEP_FACTOR * 300, "before the first step: loading, compiling"
     assert hang_limit(300, [1.0, 2.0, 100.0]) == 300, "one slow step does not move the median"
     assert hang_limit(5, [1.0, 2.0, 100.0]) == HANG_STEP_MULTIPLE * 2.0
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["finished", "refused"])
+def test_a_stage_ends_after_its_threads_exit_handlers_and_output_but_skips_the_teardown(tmp_path, refuse):
+    """stage.entry ends a stage with os._exit (the teardown of torch's modules is a second of CPU): only
+    after its threads that are not daemons have ended and the exit handlers have run, with everything
+    printed to a pipe (block-buffered) delivered, and with the stage's exit code (2: a refused input)."""
+    script = textwrap.dedent(
+        f"""
+        import atexit, sys, threading, time
+        from pathlib import Path
+        from stages.common import config, stage
+
+        atexit.register(lambda: Path("handler").write_text("ran"))
+
+        def main():
+            threading.Thread(target=lambda: (time.sleep(0.5), Path("thread").write_text("ended"))).start()
+            print("x" * 100_000)
+            if {refuse}:
+                raise config.UserError("the input is wrong")
+
+        stage.entry(main)
+        Path("teardown").write_text("reached")  # (exit_now ends the process before this line)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == (2 if refuse else 0), proc.stderr[-3000:]
+    assert proc.stdout == "x" * 100_000 + "\n"
+    assert (tmp_path / "handler").read_text() == "ran" and (tmp_path / "thread").read_text() == "ended"
+    assert not (tmp_path / "teardown").exists()
+    assert proc.stderr.strip().splitlines()[-1:] == (["error: the input is wrong"] if refuse else [])
