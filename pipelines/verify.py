@@ -267,7 +267,13 @@ def check_registry(root: Path, lock: dict, r: Report) -> None:
             )
             continue
         version = max(ours, key=lambda v: int(v.version))
-        params = registry.params_sha256(current_section(stage, root))
+        try:
+            params = registry.params_sha256(current_section(stage, root))
+        except Exception as e:  # noqa: BLE001 - the stage's code as it is now: anything may break its import
+            module = f"stages.{stage.split('@')[0]}"
+            problem = f"{module} does not import now ({type(e).__name__}: {e}), so its params cannot be read"
+            r.bad("registry", f"{where} v{version.version}: {problem}", f"fix it (python -c 'import {module}')")
+            continue
         code = ckpt.writer_record(f"stages.{stage.split('@')[0]}")["code_sha256"]
         problems = []
         if version.tags.get("params_sha256") != params:

@@ -258,9 +258,14 @@ def test_verify_holds_after_a_run_and_names_each_broken_link(clone):
         client.set_model_version_tag("pretrain", version.version, "output_dvc_md5", recorded)
     assert re.search(r"^BROKEN +registry +models:/pretrain \(data/pretrain, stage pretrain\): no version", out, re.M)
 
-    out = edited(clone / "stages/common/mesh.py", lambda p: p.write_text(p.read_text() + "\n# an edit\n"))
+    # An edit that breaks the module's import: each stage importing it is named, and the run goes on.
+    out = edited(clone / "stages/common/mesh.py", lambda p: p.write_text(p.read_text() + "\nan_edit\n"))
     assert re.search(r"^BROKEN +causes +stage pretrain: changed since dvc.lock: .*stages/common/mesh.py", out, re.M)
     assert not re.search(r"^BROKEN +causes +stage prepare_data", out, re.M), out
+    assert re.search(
+        r"^BROKEN +registry +models:/pretrain .* stages.pretrain does not import now \(NameError", out, re.M
+    )
+    assert re.search(r"^ok +checkpoints ", out, re.M), out
 
     # Against a published dvc.lock: each out identical, or (an out made again elsewhere) differing.
     published = clone.parent / "published.lock"
