@@ -112,23 +112,28 @@ def fuzz(dest: Path, kills: int, seed: int, max_delay_s: float = 60.0, log=print
         tool = list(TOOLS)[attempt % len(TOOLS)]
         attempt += 1
         delay = rng.uniform(0.5, max_delay_s)
-        proc = subprocess.Popen(
-            TOOLS[tool],
-            shell=True,
-            cwd=clone,
-            env=env_for(clone),
-            start_new_session=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        output = dest.parent / f"attempt-{attempt}-{tool}.log"
+        with open(output, "w") as fh:
+            proc = subprocess.Popen(
+                TOOLS[tool],
+                shell=True,
+                cwd=clone,
+                env=env_for(clone),
+                start_new_session=True,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+            )
         try:
             proc.wait(delay)
-            log(f"attempt {attempt} ({tool}): ended by itself before {delay:.1f} s (exit {proc.returncode})")
-            if proc.returncode == 0 and "Nothing to be done" in sh("snakemake --cores 2 -n", clone):
-                break  # the whole pipeline is done: no later moment to kill
-            continue
         except subprocess.TimeoutExpired:
             pass
+        else:  # it ended before the kill: it must have finished what it ran, after the kills before
+            failed = f"{TOOLS[tool]} failed after {len(points)} kill(s): {output.read_text()[-4000:]}"
+            assert proc.returncode == 0, failed
+            log(f"attempt {attempt} ({tool}): finished before {delay:.1f} s")
+            if "Nothing to be done" in sh("snakemake --cores 2 -n", clone):
+                break  # the whole pipeline is done: no later moment to kill
+            continue
         procs = working_in(clone)
         point = kill_point(clone, procs)
         kill_all(clone)
