@@ -16,7 +16,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from pipelines.commit import hold_pipeline_lock, plans_only, repair as repair_dvc_lock
+from pipelines.commit import clear_dead_snakemake_locks, hold_pipeline_lock, plans_only, repair as repair_dvc_lock
 from pipelines.dag import check_params, fill, is_dir, load_table, parse_yaml
 from snakemake.exceptions import WorkflowError
 from stages.common.config import ConfigError
@@ -25,6 +25,10 @@ from pipelines.sync import align
 # One id per invocation groups this run's stages in MLflow (jobs, local or on a cluster, inherit it).
 os.environ.setdefault("PIPELINE_RUN_ID", "smk-" + uuid.uuid4().hex[:12])
 os.environ["PIPELINE_SNAKEMAKE"] = "1"  # tells pipelines.launch that Snakemake keeps its own records
+if workflow.is_main_process and workflow.local_exec:
+    # The stages of a local run die with this process (pipelines/launch.py: watch_snakemake), also when
+    # it is killed by SIGKILL and cannot stop them: they save a checkpoint instead of finishing unobserved.
+    os.environ["PIPELINE_SNAKEMAKE_PID"] = f"{os.getpid()}:{os.uname().nodename}"
 # The rules' `python` and `dvc` are those of the environment Snakemake runs in, also when it is started
 # as .venv/bin/snakemake without activating the environment (jobs, local or sbatch, inherit PATH); not
 # when Snakemake lives in an environment of its own (pipx, conda base) without the project's packages.
@@ -51,6 +55,8 @@ if workflow.is_main_process and not config.get("dump_rules"):
         check_params("params.yaml", memo=Path(".snakemake/params-checked"))
     except ConfigError as e:
         raise WorkflowError(str(e)) from None
+    if not running and clear_dead_snakemake_locks():
+        print("note: removed the locks of a Snakemake that ended without unlocking (killed?)", file=sys.stderr)
     if running:  # a dry run beside a running pipeline: that run owns dvc.lock and the outputs' times
         print(f"note: {running}; not syncing with DVC (the plan may show its stages as pending)", file=sys.stderr)
     elif not os.environ.get("PIPELINE_NO_SYNC"):

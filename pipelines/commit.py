@@ -170,6 +170,18 @@ def hold_pipeline_lock(path: Path = PIPELINE_LOCK) -> str | None:
     return None
 
 
+def clear_dead_snakemake_locks(locks: Path = Path(".snakemake/locks")) -> list[str]:
+    """Remove the directory locks a Snakemake that died without unlocking (SIGKILL, a lost login session)
+    left behind, which would stop every later run until `snakemake --unlock`. Call only while holding the
+    pipeline lock (hold_pipeline_lock): every Snakemake running this Snakefile here holds it, so a lock
+    file seen then belongs to none that is alive. Returns the files removed."""
+    removed = []
+    for lock in sorted(locks.glob("*.lock")) if locks.is_dir() else []:
+        lock.unlink(missing_ok=True)
+        removed.append(str(lock))
+    return removed
+
+
 def repair() -> str:
     """Restore a damaged dvc.lock from the good copy, or refresh that copy from a whole one. Returns what
     was done. Takes the commit lock: never reads a dvc.lock that a rule's commit is writing."""

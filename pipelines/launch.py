@@ -34,6 +34,10 @@ A stage that refuses its input ends with one line naming the cause and exit code
 stages.common.watchdog: 124); under torchrun (which reports a failed worker as its own exit 1, with pages
 of its own) the launcher repeats that line last and exits with that code.
 
+Under a local Snakemake, a stage also dies with that Snakemake (watch_snakemake): when Snakemake's main
+process is gone, even by SIGKILL, the stage gets SIGTERM, saves a checkpoint and ends with 143 (its
+pipeline's MLflow run KILLED), instead of finishing and committing for a run no one observes.
+
 Outside Snakemake (under `dvc repro`), a stage that succeeds also drops Snakemake's provenance records
 of its outputs: they describe the previous Snakemake run, and would make Snakemake re-run a stage
 that DVC has just brought up to date. Without them Snakemake judges those outputs by modification time.
@@ -49,6 +53,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from pipelines.dag import fill, load_table
@@ -218,6 +224,41 @@ def sigterm_when_orphaned() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
 
 
+def process_start(pid: int) -> str | None:
+    """When process `pid` started (field 22 of /proc/<pid>/stat: tells a reused pid from the first
+    holder), or None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def watch_snakemake(stop, interval_s: float = 1.0) -> None:
+    """Under a local Snakemake (PIPELINE_SNAKEMAKE_PID: its pid and host, set by the Snakefile), call
+    stop() once that Snakemake is gone: killed by SIGKILL it cannot stop its jobs, and a stage that went on
+    would finish, publish and commit for a run that no longer exists, its work redone by the next. Jobs
+    on other hosts (a cluster executor's) are left alone: they outlive the process that submitted them."""
+    pid, _, host = os.environ.get("PIPELINE_SNAKEMAKE_PID", "").partition(":")
+    if not pid.isdigit() or host != os.uname().nodename:
+        return
+    started = process_start(int(pid))
+    if started is None:
+        return
+
+    def watch():
+        while process_start(int(pid)) == started:
+            time.sleep(interval_s)
+        print(
+            f"launch: Snakemake (pid {pid}) is gone: stopping the stage (it saves a checkpoint; the next run "
+            f"resumes from it)",
+            file=sys.stderr,
+            flush=True,
+        )
+        stop()
+
+    threading.Thread(target=watch, name="watch-snakemake", daemon=True).start()
+
+
 def forget_snakemake_records(stage: str) -> None:
     name, _, item = stage.partition("@")
     outs = [fill(o, item or None) for o in load_table()[name].outputs()]
@@ -306,6 +347,7 @@ def main() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, forward)
+    watch_snakemake(lambda: forward(signal.SIGTERM, None))
     code = child.wait()
     # "<exit code>\t<line>": a UserError (2) or the hang watchdog (stages.common.watchdog.HANG_EXIT)
     said = error.read_text().strip().split("\t", 1) if code != 0 and error.exists() else []

@@ -17,11 +17,16 @@ finds the outputs DVC reports modified and has Snakemake forget its records of t
 --cleanup-metadata`): with their times aged below their inputs', Snakemake re-makes them and what
 follows, as `dvc repro` would.
 
+A Snakemake killed while a job ran leaves that job's outputs marked incomplete; a stage that still
+finished and committed (killed between its end and Snakemake's bookkeeping) would be re-made for that
+mark alone. `align()` also forgets the marks on outputs DVC records as current.
+
     python -m pipelines.sync          # the same, by hand
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -93,16 +98,51 @@ def forget_records(paths: list[str], snakefile: str | Path = "Snakefile", root: 
     subprocess.run([*cmd, *paths], cwd=root, env=env, capture_output=True, text=True)
 
 
+def marked_incomplete(root: Path = Path(".")) -> set[str]:
+    """The outputs Snakemake marked incomplete when their job started and never unmarked: its main process
+    died before the job ended (Snakemake 9 keeps one file per output under .snakemake/incomplete, named by
+    the output path in URL-safe base64, split into parts of which all but the last start with "@")."""
+    base = root / ".snakemake" / "incomplete"
+    found = set()
+    for marker in base.rglob("*") if base.is_dir() else []:
+        if marker.is_file() and marker.name != "migration_underway":
+            parts = marker.relative_to(base).parts
+            try:
+                found.add(base64.urlsafe_b64decode("".join(p.removeprefix("@") for p in parts)).decode())
+            except (ValueError, UnicodeDecodeError):
+                continue
+    return found
+
+
+def finished_unrecorded(status: dict, root: Path = Path(".")) -> list[str]:
+    """Outputs Snakemake marks incomplete that DVC records as current: the stage finished and committed
+    after its Snakemake died (a kill between the stage's end and Snakemake's bookkeeping). Re-running it
+    would redo work that dvc.lock already holds."""
+    marked = marked_incomplete(root)
+    if not marked:
+        return []
+    table = load_table(root / "pipelines/stages.yaml")
+    return [
+        out
+        for st in table.values()
+        for name, item in st.instances()
+        if name not in status
+        for out in (fill(o, item) for o in st.outputs())
+        if out in marked and (root / out).exists()
+    ]
+
+
 def align(root: Path = Path("."), snakefile: str | Path = "Snakefile") -> tuple[list[str], list[str]]:
-    """align_mtimes, and Snakemake's records of the outputs DVC finds modified forgotten (forget_records):
-    returns (outputs whose times were set, modified outputs)."""
+    """align_mtimes, and Snakemake's records of the outputs DVC finds modified forgotten (forget_records),
+    as are its incomplete marks on outputs DVC records as current (finished_unrecorded): returns (outputs
+    whose times were set, outputs whose records were forgotten)."""
     status = dvc_status(root)
     if status is None:
         return [], []
-    bumped, modified = align_mtimes(root, status), modified_outputs(status, root)
-    if modified:
-        forget_records(modified, snakefile, root)
-    return bumped, modified
+    bumped, forget = align_mtimes(root, status), modified_outputs(status, root) + finished_unrecorded(status, root)
+    if forget:
+        forget_records(forget, snakefile, root)
+    return bumped, forget
 
 
 def align_mtimes(root: Path = Path("."), status: dict | None = None) -> list[str]:

@@ -20,6 +20,7 @@ from shared_run import MIRROR, ROOT  # noqa: F401  (the repository and the data 
 ORDER = [
     "tests/system/test_two_nodes.py",
     "tests/system/test_containers.py",  # (make test-system: the image build beside the two-node module)
+    "tests/test_kill_fuzz.py",  # (make test-system: the whole pipeline, killed and resumed)
     "tests/test_e2e.py",
     "tests/test_parallel.py",
     "tests/test_pretrain.py",

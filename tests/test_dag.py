@@ -246,6 +246,37 @@ def test_only_what_dvc_would_rerun_is_made_stale_for_snakemake():
     assert not is_stale([{"changed deps": {"stages/pretrain.py": "new"}}]), "no dvc.lock entry to compare with"
 
 
+def test_the_incomplete_marks_of_a_dead_snakemake_are_read_as_snakemake_writes_them(tmp_path):
+    """pipelines.sync reads the outputs Snakemake marked incomplete from Snakemake's own file layout: its
+    record paths (written here by Snakemake's code, with names cut short so long paths are split), and
+    only outputs that DVC records as current and that exist are handed back to be forgotten."""
+    from types import SimpleNamespace
+
+    from snakemake.persistence.file import FilePersistence
+
+    from pipelines import sync
+
+    base = tmp_path / ".snakemake" / "incomplete"
+    base.mkdir(parents=True)
+    (base / "migration_underway").touch()
+    writer = SimpleNamespace(_fetch_max_len=lambda subject: 16)
+    names = ["data/pretrain", "data/finetune_qlora/nf4", "data/eval_perplexity/" + "p" * 60]
+    for name in names:
+        marker = Path(FilePersistence._record_path(writer, str(base), name))
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text('{"external_jobid": null}')
+    assert len(list(base.rglob("*"))) > len(names) + 1, "long names are split into folders"
+    assert sync.marked_incomplete(tmp_path) == set(names)
+
+    shutil.copytree(ROOT / "pipelines", tmp_path / "pipelines", ignore=shutil.ignore_patterns("__pycache__"))
+    for out in ("data/pretrain", "data/finetune_qlora/nf4"):
+        (tmp_path / out).mkdir(parents=True)
+    # pretrain current, finetune_qlora@nf4 changed (DVC re-runs it): only pretrain's mark is stale
+    status = {"finetune_qlora@nf4": [{"changed deps": {"params.yaml": "modified"}}]}
+    assert sync.finished_unrecorded(status, tmp_path) == ["data/pretrain"]
+    assert sync.finished_unrecorded(status, tmp_path / "data") == []  # (no marks there)
+
+
 def test_two_pipelines_started_at_once_in_one_directory_one_runs_and_the_other_stops(tmp_path, mirror):
     """Snakemake's own directory lock is checked, then written: two invocations started together can both
     pass it. The Snakefile's flock lets exactly one run; the other stops with one message before any job,

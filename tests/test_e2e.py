@@ -223,6 +223,37 @@ def kill_everything_in(folder: Path) -> None:
     signal_all(working_in(folder), signal.SIGKILL)
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def snakemake_main(pid: int) -> int:
+    """Snakemake's main process: `pid` (the shell a test started) or its child running Snakemake."""
+    children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and parent_of(int(p.name)) == pid]
+    for proc in [pid, *children]:
+        # (.venv/bin/snakemake runs as: python .venv/bin/snakemake ...)
+        if any(Path(word.decode(errors="replace")).name == "snakemake" for word in cmdline(proc).split(b"\0")[:2]):
+            return proc
+    raise AssertionError(f"no Snakemake process at or below pid {pid}")
+
+
+def wait_until_nothing_works_in(folder: Path, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while working_in(folder):
+        assert time.time() < deadline, f"processes still work in {folder} after {timeout_s} s: {working_in(folder)}"
+        time.sleep(0.2)
+
+
 def set_pretrain(clone: Path, **values) -> None:
     params = yaml.safe_load((clone / "params.yaml").read_text())
     params["pretrain"]["train"].update(values)
@@ -292,13 +323,48 @@ def test_stopped_pipeline_resumes_from_the_stage_checkpoint(clone):
     assert [p.info.status for p in parents] == ["FINISHED", "KILLED"], [p.info for p in parents]
     assert parents[1].data.tags["unfinished_stages"] == "pretrain:KILLED"
 
-    # A lost machine: no process survives to clean up. Snakemake keeps its lock until told to drop it.
+    # A lost machine: no process survives to clean up. The next run removes the lock Snakemake left.
     set_pretrain(clone, steps=100)
     start_and_stop_mid_pretrain(clone, run, lambda proc: kill_everything_in(clone))
-    sh("snakemake --unlock", clone)
-    assert snakemake_ran(sh(run, clone)) == {"pretrain"}
+    out = sh(run, clone)
+    assert snakemake_ran(out) == {"pretrain"} and "removed the locks of a Snakemake that ended" in out
     assert resumed_step(clone) >= 20
     assert json.loads((clone / "data/pretrain/meta.json").read_text())["step"] == 100
+
+    # Snakemake's main process killed alone (SIGKILL: it cannot stop its jobs). The stage notices within
+    # seconds, saves a checkpoint and ends: nothing is published or committed for the dead run, whose
+    # MLflow parent ends KILLED, and the next run resumes without `snakemake --unlock`.
+    set_pretrain(clone, steps=110)
+    lock = (clone / "dvc.lock").read_bytes()
+    start_and_stop_mid_pretrain(clone, run, lambda proc: os.kill(snakemake_main(proc.pid), signal.SIGKILL))
+    wait_until_nothing_works_in(clone, 60)
+    log = (clone / "logs/pretrain.log").read_text()
+    saved = re.search(r"stopped by SIGTERM after step (\d+); checkpoint saved", log)
+    assert saved and "launch: Snakemake (pid" in log, log[-3000:]
+    assert not (clone / "data/pretrain").exists() and (clone / "dvc.lock").read_bytes() == lock
+    (parent,) = client.search_runs(
+        [client.get_experiment_by_name("pipeline").experiment_id],
+        filter_string="tags.pipeline_role = 'parent'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    assert parent.info.status == "KILLED" and parent.data.tags["unfinished_stages"] == "pretrain:KILLED"
+    # Killed again once pretrain has ended, while its `dvc commit` runs: the commit completes, and the
+    # output DVC now records stays current for Snakemake too (not re-made for its incomplete mark).
+    commit = subprocess.Popen(
+        run, shell=True, cwd=clone, env=env_for(clone), start_new_session=True, stdout=subprocess.DEVNULL
+    )
+    deadline = time.time() + 600
+    while not any(b"pipelines.commit\0pretrain" in cmdline(pid) for pid in working_in(clone)):
+        assert commit.poll() is None and time.time() < deadline, "pretrain's commit never started"
+        time.sleep(0.05)
+    os.kill(snakemake_main(commit.pid), signal.SIGKILL)
+    commit.wait(60)
+    wait_until_nothing_works_in(clone, 60)
+    assert resumed_step(clone) == int(saved.group(1))
+    assert json.loads((clone / "data/pretrain/meta.json").read_text())["step"] == 110
+    assert "pretrain" not in sh("dvc status pretrain", clone)
+    assert "Nothing to be done" in sh(run, clone)
 
     # Both tools at once on one stage: the run that trains holds its checkpoint folder, the other stops
     # with a clear error; the first publishes, and afterwards both tools see the stage current. The first
