@@ -57,9 +57,14 @@ def working_in(folder: Path) -> dict[int, list[str]]:
 
 def program(argv: list[str]) -> str:
     """A process's program: the module of `python -m <module>`, the script of `python <script>`, else argv[0]."""
-    if Path(argv[0]).name.startswith("python") and len(argv) > 1:
-        return argv[2] if argv[1] == "-m" and len(argv) > 2 else Path(argv[1]).name
-    return Path(argv[0]).name
+    if not Path(argv[0]).name.startswith("python"):
+        return Path(argv[0]).name
+    rest = argv[1:]
+    while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
+        rest = rest[1:]  # (interpreter options: torchrun starts its workers with `python -u -m ...`)
+    if len(rest) > 1 and rest[0] == "-m":
+        return rest[1]
+    return Path(rest[0]).name if rest and rest[0] != "-c" else Path(argv[0]).name
 
 
 def temporaries(clone: Path) -> dict[str, list[Path]]:
@@ -74,17 +79,18 @@ def temporaries(clone: Path) -> dict[str, list[Path]]:
 def kill_point(clone: Path, procs: dict[int, list[str]], since: float) -> str:
     """What the run was doing: read from its processes and from what it was writing at the kill (hidden
     temporaries made since `since`, the attempt's start; older ones are left over from earlier kills)."""
-    words = [" ".join(argv) for argv in procs.values()]
-    stages = sorted({m.group(1) for w in words for m in [re.search(r"-m stages\.(\w+)", w)] if m})
-    commits = sorted({m.group(1) for w in words for m in [re.search(r"-m pipelines\.commit (\S+)", w)] if m})
+    # (by each process's own program: a rule's shell holds the whole `launch ... && commit ...` line)
+    programs = [(program(argv), argv) for argv in procs.values() if argv]
+    stages = sorted({name.removeprefix("stages.") for name, _ in programs if name.startswith("stages.")})
+    commits = sorted({argv[3] for name, argv in programs if name == "pipelines.commit" and len(argv) > 3})
     half = [kind for kind, paths in temporaries(clone).items() if any(newer(p, since) for p in paths)]
     detail = f" ({'; '.join(half)})" if half else ""
     if commits:
         return f"dvc commit of {', '.join(commits)}{detail}"
     if stages:
         return f"stage {', '.join(stages)}{detail}"
-    if words:
-        return "between stages: " + ", ".join(sorted({program(argv) for argv in procs.values() if argv})) + detail
+    if programs:
+        return "between stages: " + ", ".join(sorted({name for name, _ in programs})) + detail
     return "nothing running (the run had ended)"
 
 
