@@ -89,6 +89,9 @@ def kill_point(clone: Path, procs: dict[int, list[str]], since: float) -> str:
         return f"dvc commit of {', '.join(commits)}{detail}"
     if stages:
         return f"stage {', '.join(stages)}{detail}"
+    launching = sorted({argv[3] for name, argv in programs if name == "pipelines.launch" and len(argv) > 3})
+    if launching:  # (its torchrun or stage processes starting, or gone and the launcher ending)
+        return f"the launcher of {', '.join(launching)}, its stage not running{detail}"
     if programs:
         return "between stages: " + ", ".join(sorted({name for name, _ in programs})) + detail
     return "nothing running (the run had ended)"
