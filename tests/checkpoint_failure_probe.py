@@ -49,6 +49,7 @@ def main(folder: Path) -> None:
     assert t.item() == 2
     runtime.barrier()
     assert not list(folder.iterdir()), sorted(p.name for p in folder.iterdir())
+    runtime.barrier()  # every rank has looked before any starts the next save's folder
     state.step = 4
     saver.save(state, model, optimizer, wait=True)  # a synchronous save: every rank, published
     assert (folder / "step-4/manifest.json").is_file()
