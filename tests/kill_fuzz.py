@@ -8,8 +8,7 @@ runs), and the point it hit is recorded from what was running and what was half-
 and its phase, a checkpoint or an output being written, a `dvc commit`, the tools between jobs). After
 the last kill the pipeline runs to completion. Then:
   - every file of data/ and reports/ is byte for byte the shared uninterrupted run's (measured/, the
-    timings, aside; hidden temporaries a kill left beside an output are listed, not compared: nothing
-    removes them yet),
+    timings, aside), and no hidden temporary of a killed write is left in data/ or checkpoints/,
   - `dvc status` is clean, `snakemake -n` has nothing to do, `dvc repro` runs nothing,
   - no MLflow run is left RUNNING.
 
@@ -170,13 +169,11 @@ def fuzz(dest: Path, kills: int, seed: int, max_delay_s: float = 60.0, log=print
 
 def check(clone: Path, reference: Path, log=print) -> None:
     """The end of a killed and resumed run is the uninterrupted run's, and both tools and MLflow agree.
-    Hidden temporaries that a kill left beside the outputs (`data/**/.<name>.tmp-*`: an output killed while
-    it was being published) are no output (nothing reads them; DVC does not track them): they are listed,
-    and left out of the comparison."""
-    left = [str(p.relative_to(clone)) for p in temporaries(clone)["an output being published"]]
-    if left:
-        log(f"left behind by kills during publishing (not outputs): {sorted(left)}")
-    ours = {k: v for k, v in output_hashes(clone).items() if not any(k.startswith(f"{t}/") for t in left)}
+    No hidden temporary of a killed write is left: the re-run of the output (or checkpoint) it was for
+    removed it (stages/common/atomic.py: sweep), and finished stages removed their checkpoints."""
+    left = {kind: sorted(str(p.relative_to(clone)) for p in found) for kind, found in temporaries(clone).items()}
+    assert not any(left.values()), f"temporaries of killed writes left behind: {left}"
+    ours = output_hashes(clone)
     theirs = output_hashes(reference)
     differ = sorted(p for p in ours.keys() | theirs.keys() if ours.get(p) != theirs.get(p))
     assert not differ, f"{len(differ)} output files differ from the uninterrupted run: {differ[:20]}"

@@ -52,6 +52,49 @@ def test_atomic_dir_replaces_on_success_and_leaves_nothing_on_error(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_temporaries_of_writers_that_ended_are_removed_by_the_next_write(tmp_path):
+    """A writer killed before its rename leaves `.<name>.tmp-*` behind: the next write of that name, and a
+    checkpointer's resume, remove it when its writer is known to be gone (this host and pid namespace, the
+    process ended); a live writer's, another host's and an unnamed one stay."""
+    ended = subprocess.run(
+        [sys.executable, "-c", "from pathlib import Path; from stages.common import atomic; "
+         "import sys; t = atomic.begin(sys.argv[1]); (t / 'half').write_text('x'); "
+         "atomic._tmp_sibling(Path(sys.argv[2])).write_text('half'); print(t.name)",
+         str(tmp_path / "out"), str(tmp_path / "m.json")],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        mine = atomic._tmp_sibling(tmp_path / "out").name
+        others = {
+            "alive": mine.replace(f".{os.getpid()}.", f".{alive.pid}.", 1),
+            "other host": mine.rsplit(".", 1)[0] + ".elsewhere",
+            "unnamed": ".out.tmp-abc",
+            "other name": ended.replace(".out.", ".out2.", 1),
+        }
+        for name in others.values():
+            (tmp_path / name).mkdir()
+        assert (tmp_path / ended).is_dir() and len(list(tmp_path.glob(".m.json.tmp-*"))) == 1
+        with atomic.folder(tmp_path / "out") as tmp:
+            (tmp / "whole").write_text("x")
+        atomic.write_json(tmp_path / "m.json", {})
+        left = {p.name for p in tmp_path.iterdir()}
+        assert left == {"out", "m.json", *others.values()}, left
+        assert [p.name for p in atomic.sweep(tmp_path)] == [others["other name"]]
+    finally:
+        alive.kill()
+        alive.wait()
+    assert not (ckpt_folder := tmp_path / "ckpts").exists()
+    ckpt_folder.mkdir()
+    (ckpt_folder / others["alive"].replace(".out.", ".step-4.", 1)).mkdir()  # its writer has now ended
+    saver = ckpt.Checkpointer(ckpt_folder, every=2, steps=8, rt=runtime.init())
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    assert saver.resume(model, torch.optim.SGD(model.parameters())).step == 0
+    assert list(ckpt_folder.iterdir()) == []
+
+
 def test_checkpoints_ignore_half_written(tmp_path):
     assert ckpt.checkpoints(tmp_path) == []
     for name in ("step-5", "step-20", ".step-30.tmp-abc", "step-x"):

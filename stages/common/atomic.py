@@ -1,23 +1,75 @@
 """Atomic publishing: a reader sees the old file or folder, or the complete new one, never a half-written one.
 
 Everything a stage publishes (its output folder, checkpoints, JSON files) is written under a hidden
-temporary name beside its final path and renamed into place.
+temporary name beside its final path and renamed into place. The name holds its writer:
+`.<name>.tmp-<random>.<pid>.<pid namespace>.<host>`. A writer killed before its rename leaves that
+temporary behind; the next write of the same name (and `sweep`) removes the ones whose writer is known to be
+gone: written on this host, in this pid namespace, by a process that no longer runs. Others are left alone
+(another host's writer cannot be checked from here; nothing reads a hidden temporary).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import glob
 import json
 import os
 import shutil
+import socket
 import uuid
 from pathlib import Path
 
 from stages.common import runtime
 
 
+@functools.cache
+def _pid_namespace() -> str:
+    try:  # "pid:[4026531836]": pids are compared only within one namespace
+        return os.readlink("/proc/self/ns/pid").partition("[")[2].rstrip("]") or "0"
+    except OSError:
+        return "0"
+
+
 def _tmp_sibling(final: Path) -> Path:
-    return final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    owner = f"{os.getpid()}.{_pid_namespace()}.{socket.gethostname()}"
+    return final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}.{owner}")
+
+
+def _writer_gone(tmp_name: str) -> bool:
+    """True when the temporary `tmp_name` (a name made by `_tmp_sibling`) was written by a process of
+    this host and pid namespace that has ended."""
+    parts = tmp_name.rpartition(".tmp-")[2].split(".", 3)
+    if len(parts) != 4 or not parts[1].isdigit():
+        return False  # not named by its writer: cannot tell
+    _, pid, namespace, host = parts
+    if host != socket.gethostname() or namespace != _pid_namespace() or namespace == "0":
+        return False
+    if int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def sweep(parent: str | Path, name: str = "*") -> list[Path]:
+    """Remove the hidden temporaries `.<name>.tmp-*` in `parent` whose writers are gone (see the module's
+    docstring); the paths removed."""
+    parent = Path(parent)
+    removed = []
+    pattern = f".{name if name == '*' else glob.escape(name)}.tmp-*"
+    for tmp in parent.glob(pattern) if parent.is_dir() else ():
+        if _writer_gone(tmp.name):
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
 
 
 @contextlib.contextmanager
@@ -43,6 +95,7 @@ def begin(final: str | Path, rt: runtime.Runtime | None = None) -> Path:
     tmp = None
     if rt is None or rt.is_main:
         final.parent.mkdir(parents=True, exist_ok=True)
+        sweep(final.parent, final.name)
         tmp = _tmp_sibling(final)
         tmp.mkdir()
     if rt is not None and rt.distributed:
@@ -75,7 +128,8 @@ def publish(final: str | Path, tmp: Path, rt: runtime.Runtime | None, ok: bool) 
 def write_text(path: str | Path, text: str) -> None:
     """Write a text file via a temporary file and rename: readers see the old file or the new one."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    sweep(path.parent, path.name)
+    tmp = _tmp_sibling(path)
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 

@@ -415,8 +415,11 @@ class Checkpointer:
 
     def resume(self, model, optimizer, scaler=None) -> TrainState:
         """Load the newest intact checkpoint into model, optimizer and scaler (rank 0 picks it, passing a
-        damaged one over with a warning; every rank loads it), or a fresh state without one."""
+        damaged one over with a warning; every rank loads it), or a fresh state without one. Checkpoints
+        that killed runs left half-written (hidden) are removed first."""
         rt = self.rt
+        if rt.is_main:
+            atomic.sweep(self.folder)
         latest = runtime.broadcast_object(newest_intact_checkpoint(self.folder) if rt.is_main else None)
         if latest is None:
             return TrainState()
