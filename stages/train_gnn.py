@@ -411,22 +411,10 @@ def plot_accuracy(results: list[dict], summary: dict, cfg: Config, path: Path) -
 
 
 def log_curves(tracker: track.Tracker, results: list[dict], cfg: Config) -> None:
-    """Per-epoch means over seeds, in one batched MLflow call per 1000 points (one call per step is slow)."""
-    if not tracker:
-        return
-    import mlflow
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    points = [
-        Metric(f"{kind}_{key}", value, now, step)
-        for kind in cfg.models
-        for key, values in mean_curves(results, kind).items()
-        for step, value in enumerate(values)
-    ]
-    client = mlflow.MlflowClient()
-    for i in range(0, len(points), 1000):
-        client.log_batch(tracker.run_id, metrics=points[i : i + 1000])
+    """Per-epoch means over seeds, one point per epoch and curve (sent in batches by the tracker)."""
+    tracker.log_series(
+        {f"{kind}_{key}": list(values) for kind in cfg.models for key, values in mean_curves(results, kind).items()}
+    )
 
 
 def save_outputs(tmp: Path, cfg: Config, results: list[dict], weights: dict) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,13 @@ class RunsCode:
 
     def __reduce__(self):
         return (open, (self.marker, "w"))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def stage_env(workdir: Path, **extra) -> dict:

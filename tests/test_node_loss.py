@@ -16,19 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TRACKED, loss_curve, stage_env
+from conftest import TRACKED, free_port, loss_curve, stage_env
 from test_pretrain import TINY, run
 
 from stages.common import ckpt
 
 STEPS = ["train.steps=160", "train.checkpoint_every=20"]
 FAIL_WITHIN_S = 120  # from the kill to the surviving node's exit
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:

@@ -78,7 +78,8 @@ def lineage(output: Path, inputs: list[Path], section: dict, inputs_hash: str) -
     }
 
 
-def _client():
+def tracking_client():
+    """A client of the tracking store the stages log to."""
     import mlflow
 
     return mlflow.MlflowClient(track.tracking_uri())
@@ -98,12 +99,12 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)  # another filesystem, or links not allowed
 
 
-def store_folder(tracker: track.Tracker, folder: Path, artifact_path: str) -> None:
-    """`folder` as the artifact `artifact_path` of the tracker's run."""
-    run = _client().get_run(tracker.run_id)
+def store_folder(client, run_id: str, folder: Path, artifact_path: str) -> None:
+    """`folder` as the artifact `artifact_path` of run `run_id`."""
+    run = client.get_run(run_id)
     local = _local_path(run.info.artifact_uri)
     if local is None:
-        tracker.log_artifact(folder, artifact_path)
+        client.log_artifacts(run_id, str(folder), artifact_path)
         return
     dest = local / artifact_path
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -113,29 +114,30 @@ def store_folder(tracker: track.Tracker, folder: Path, artifact_path: str) -> No
     tmp.rename(dest)
 
 
-def register(tracker: track.Tracker, name: str, folder: Path, tags: dict, description: str) -> int | None:
-    """Register the Hugging Face model in `folder` as a new version of `name`, tagged with `tags` (its
-    stage's lineage) and its own `dvc_md5`; returns the version, or None without a run (other ranks,
-    tracking off)."""
-    if not tracker:
-        return None
+def version_record(name: str, folder: Path, tags: dict, description: str) -> dict:
+    """What registering the model in `folder` as a new version of `name` takes: its folder, its tags (its
+    stage's lineage) with its own `dvc_md5`, taken now, and the registered model's description."""
+    folder = Path(folder).resolve()
+    tags = {**tags, "dvc_md5": dvc_md5(folder)}
+    return {"name": name, "folder": str(folder), "tags": tags, "description": description}
+
+
+def register_version(client, run_id: str, record: dict) -> int:
+    """Register `record` (version_record) as a new version of its model, from run `run_id`; the version."""
     from mlflow.exceptions import MlflowException
 
-    client = _client()
+    name, folder = record["name"], Path(record["folder"])
     artifact_path = f"models/{name}"
-    store_folder(tracker, folder, artifact_path)
+    store_folder(client, run_id, folder, artifact_path)
     try:
-        client.create_registered_model(name, description=description)
+        client.create_registered_model(name, description=record["description"])
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
     version = client.create_model_version(
-        name,
-        source=f"runs:/{tracker.run_id}/{artifact_path}",
-        run_id=tracker.run_id,
-        tags={**tags, "dvc_md5": dvc_md5(folder)},
+        name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id, tags=record["tags"]
     )
-    tracker.set_tags({f"registered_model.{name}": str(version.version)})
+    client.set_tag(run_id, f"registered_model.{name}", str(version.version))
     return int(version.version)
 
 
@@ -144,7 +146,7 @@ def versions_with(name: str, key: str, value: str) -> list:
     from mlflow.exceptions import MlflowException
 
     try:
-        found = _client().search_model_versions(f"name = '{name}' and tags.`{key}` = '{value}'")
+        found = tracking_client().search_model_versions(f"name = '{name}' and tags.`{key}` = '{value}'")
     except MlflowException as e:
         if e.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
@@ -156,7 +158,7 @@ def is_registered(name: str) -> bool:
     from mlflow.exceptions import MlflowException
 
     try:
-        _client().get_registered_model(name)
+        tracking_client().get_registered_model(name)
     except MlflowException as e:
         if e.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
@@ -165,7 +167,7 @@ def is_registered(name: str) -> bool:
 
 
 def set_alias(name: str, version: int, alias: str = ALIAS) -> None:
-    _client().set_registered_model_alias(name, alias, str(version))
+    tracking_client().set_registered_model_alias(name, alias, str(version))
 
 
 def is_uri(text: str) -> bool:
@@ -190,7 +192,7 @@ def resolve(uri: str) -> tuple[Path, str]:
         raise config.UserError(
             f"{where}: the tracking server does not answer ({problem}); start it or fix MLFLOW_TRACKING_URI"
         )
-    client = _client()
+    client = tracking_client()
     try:
         version = client.get_model_version_by_alias(name, alias) if at else client.get_model_version(name, number)
     except MlflowException as e:

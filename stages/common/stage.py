@@ -298,12 +298,29 @@ def register_models(tracker, section: str, cfg, models: dict, output, inputs: li
     try:
         tags = registry.lineage(Path(output), [Path(p) for p in inputs], config.as_dict(cfg), digest)
         tags |= {k: v for k, v in record_tags(section).items() if not k.startswith("package.")}
-        for item, folder in models.items():
-            name = registry.model_name(section, item)
-            what = f"{section} stage's model" + (f" ({item})" if item else "")
-            versions[name] = registry.register(
-                tracker, name, Path(folder), tags, f"The {what}, registered by each run."
+        records = [
+            registry.version_record(
+                registry.model_name(section, item),
+                Path(folder),
+                tags,
+                f"The {section} stage's model{f' ({item})' if item else ''}, registered by each run.",
             )
+            for item, folder in models.items()
+        ]
+        # The registry is written directly once the run's records are in; with the server lost, the
+        # versions wait with them and are registered when they are sent (track.Sender).
+        if not tracker.flush(track.flush_s()):
+            for record in records:
+                tracker.sender.put({"kind": "register", **record})
+            print(
+                f"{section}: the MLflow server does not take records ({tracker.lost or 'still sending'}); "
+                "the model version(s) are registered when the run's kept records are sent",
+                file=sys.stderr,
+            )
+            return {}
+        client = registry.tracking_client()
+        for record in records:
+            versions[record["name"]] = registry.register_version(client, tracker.run_id, record)
     except Exception as e:  # noqa: BLE001 - the stage published its output; the registry is a record of it
         print(f"{section}: could not register its model(s) in MLflow: {type(e).__name__}: {e}", file=sys.stderr)
         tracker.set_tags({"registry_error": f"{type(e).__name__}: {e}"[:500]})

@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -150,51 +151,61 @@ def pipeline_run_id() -> str | None:
 
 
 class Tracker:
-    """Logs to an MLflow run on rank 0; does nothing on other ranks or when no run is open."""
+    """Logs to an MLflow run on rank 0, through its Sender (never waiting on the server); does nothing on
+    other ranks or when no run is open."""
 
-    def __init__(self, run_id: str | None = None):
-        self.run_id = run_id
+    def __init__(self, run_id: str | None = None, sender: Sender | None = None):
+        self.run_id, self.sender = run_id, sender
 
     def __bool__(self) -> bool:
         return self.run_id is not None
 
+    @property
+    def lost(self) -> str | None:
+        """Why the tracking server is taken as lost, while it is."""
+        return self.sender.lost if self.sender else None
+
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         if self.run_id:
-            import mlflow
+            values = {k: float(v) for k, v in metrics.items()}
+            self.sender.put({"kind": "metrics", "values": values, "step": step, "time": int(time.time() * 1000)})
 
-            mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+    def log_series(self, series: dict[str, list[float]]) -> None:
+        """Curves at once: {name: [value at step 0, 1, ...]}."""
+        if self.run_id:
+            length = max((len(v) for v in series.values()), default=0)
+            for step in range(length):
+                self.log_metrics({k: v[step] for k, v in series.items() if step < len(v)}, step=step)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if self.run_id:
-            import mlflow
-
-            if Path(path).is_dir():
-                mlflow.log_artifacts(str(path), artifact_path=artifact_path)
-            else:
-                mlflow.log_artifact(str(path), artifact_path=artifact_path)
+            self.sender.put({"kind": "artifact", "path": str(Path(path).resolve()), "artifact_path": artifact_path})
 
     def set_tags(self, tags: dict) -> None:
         if self.run_id:
-            import mlflow
-
-            mlflow.set_tags(tags)
+            self.sender.put({"kind": "tags", "tags": {k: str(v) for k, v in tags.items()}})
 
     def log_text(self, text: str, name: str) -> None:
         if self.run_id:
-            import mlflow
+            self.sender.put({"kind": "text", "text": text, "name": name})
 
-            mlflow.log_text(text, name)
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until every record so far has been sent; whether it was."""
+        if not self.run_id:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while self.sender.sent < self.sender.written and self.sender.lost is None and time.monotonic() < deadline:
+            self.sender.wake.set()
+            time.sleep(0.05)
+        return self.sender.sent >= self.sender.written and self.sender.lost is None
 
     def fail_from_thread(self, cause: str) -> None:
         """End the run FAILED with `cause` tagged (`failure`: hang), from another thread while the stage's
-        main thread is stuck (stages.common.watchdog): the client API, not the thread-bound active run."""
+        main thread is stuck (stages.common.watchdog); sent within PIPELINE_TRACKING_FLUSH_S or kept."""
         if self.run_id:
-            import mlflow
-
-            client = mlflow.MlflowClient()
-            client.set_tag(self.run_id, "failure", "hang")
-            client.set_tag(self.run_id, "failure_cause", cause[:5000])
-            client.set_terminated(self.run_id, status="FAILED")
+            self.set_tags({"failure": "hang", "failure_cause": cause[:5000]})
+            self.sender.put({"kind": "end", "status": "FAILED", "time": int(time.time() * 1000)})
+            self.sender.close(flush_s())
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -390,6 +401,8 @@ def node_metrics(tracker: Tracker, rt: runtime.Runtime):
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+        for key, value in HTTP_DEFAULTS.items():
+            os.environ.setdefault(key, value)
         monitor = SystemMetricsMonitor(run_id, node_id=platform.node(), tracking_uri=tracking_uri())
         monitor.start()
     finished = False
@@ -397,8 +410,12 @@ def node_metrics(tracker: Tracker, rt: runtime.Runtime):
         yield
         finished = True
     finally:
-        if monitor is not None:
-            monitor.finish()
+        if monitor is not None:  # its last samples, sent by its thread: waited for at most the flush time
+            import threading
+
+            ending = threading.Thread(target=monitor.finish, name="mlflow-system-metrics-end", daemon=True)
+            ending.start()
+            ending.join(flush_s())
         if finished and run_id and rt.distributed:
             runtime.barrier()
 
@@ -420,13 +437,19 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
             f"MLflow tracking server {tracking_uri()} is unreachable ({problem}); start it, point "
             f"MLFLOW_TRACKING_URI at a running one, or unset it to track to ./mlflow.db"
         )
+    flush_s()  # (a bad setting stops the stage here)
+    for key, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     import mlflow
+    from mlflow.entities import Param
+    from mlflow.tracking.context.registry import resolve_tags
 
     root = runtime.workspace()
     uri = tracking_uri(root)
     mlflow.set_tracking_uri(uri)
     client, experiment_id = experiment(root)
     close_orphaned_runs(client, experiment_id, stage)
+    leftovers = leftover_files(root, uri)
     group = pipeline_run_id()
     parent = None
     lock = parent_lock(root)
@@ -446,23 +469,377 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
         # kernels, and so the last digits of results, depend on these
         **{k: ",".join(v) if isinstance(v, list) else v for k, v in runtime.cpu_info().items()},
         **({"pipeline_run": group} if group else {}),
+        **({"mlflow.parentRunId": parent} if parent else {}),
         **(tags or {}),
     }
     # A stage run once per item (eval_perplexity@pretrain, finetune_qlora@nf4) is named with its item,
     # as the launcher passes it on.
     label = os.environ.get("PIPELINE_STAGE", "")
     run_name = label if label.partition("@")[0] == stage else stage
-    with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, parent_run_id=parent, tags=all_tags) as run:
-        mlflow.log_params({k: json.dumps(v) if isinstance(v, (list, tuple)) else v for k, v in flatten(params).items()})
-        mlflow.log_text(pip_freeze(), "environment/requirements.txt")
-        status = "FAILED"
+    run = client.create_run(experiment_id, run_name=run_name, tags=resolve_tags(all_tags))
+    run_id = run.info.run_id
+    values = {k: json.dumps(v) if isinstance(v, (list, tuple)) else v for k, v in flatten(params).items()}
+    items = [Param(k, str(v)) for k, v in values.items()]
+    for i in range(0, len(items), 100):
+        client.log_batch(run_id, params=items[i : i + 100])
+    end = {"parent": parent, "label": run_name, "lock": str(lock)}
+    sender = Sender(client, run_id, uri, root / UNSENT / f"{run_id}.jsonl", {"stage": stage}, leftovers)
+    tracker = Tracker(run_id, sender)
+    tracker.log_text(pip_freeze(), "environment/requirements.txt")
+    status = "FAILED"
+    try:
+        yield tracker
+        status = "FINISHED"
+    except (runtime.Stopped, KeyboardInterrupt):
+        status = "KILLED"  # stopped by a signal (after a checkpoint, for a training stage): re-run it
+        raise
+    finally:
+        sender.put({"kind": "end", "status": status, "time": int(time.time() * 1000), **end})
+        sender.close(flush_s())
+
+
+# ------------------------------------------------------------------ sending without holding training up
+# A stage's records reach MLflow from a thread of their own, through a file on disk: training appends a
+# line and goes on, whatever the server does. A server that refuses, fails or stops answering is taken as
+# lost within seconds (one warning naming it); the records wait in the file, are sent when it answers
+# again, and at the end the stage waits at most PIPELINE_TRACKING_FLUSH_S for them before it exits
+# anyway, its outputs published. A file left unsent is sent by the next stage that reaches the server
+# (or `python -m stages.common.track resend`).
+UNSENT = Path("logs") / "mlflow-unsent"
+STALL_S = 5.0  # a request unanswered this long: the server is taken as lost
+PROBE_S = 2.0  # while lost, its health is asked this often
+FLUSH_S = 30.0
+# MLflow's HTTP client retries a request 7 times over minutes by default; here a request gives up sooner
+# (the sender tries again on its own). A value the user set wins.
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+
+
+def flush_s() -> float:
+    value = os.environ.get("PIPELINE_TRACKING_FLUSH_S", str(FLUSH_S))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds < 0:
+        raise UserError(f"PIPELINE_TRACKING_FLUSH_S must be a number of seconds >= 0, got {value!r}")
+    return seconds
+
+
+def _reason(e: Exception) -> str:
+    """A request's failure in a few words (MLflow's own message quotes the whole urllib3 chain)."""
+    text = str(e)
+    for pattern, words in (
+        ("Connection refused", "connection refused"),
+        ("NewConnectionError", "connection refused"),
+        ("Read timed out", "no answer"),
+        ("RemoteDisconnected", "connection closed by the server"),
+        ("Connection reset", "connection reset"),
+        ("Connection aborted", "connection closed by the server"),
+    ):
+        if pattern in text:
+            return words
+    first = text.splitlines()[0] if text else ""
+    return f"{type(e).__name__}: {first[:200]}"
+
+
+def _say(message: str) -> None:
+    print(f"tracking: {message}", file=sys.stderr, flush=True)
+
+
+def _refused(e: Exception) -> bool:
+    """Whether the store answered a request with a client error (HTTP 4xx: a bad value, say), which
+    sending it again would meet again; a lost connection or a server error is worth another try."""
+    from mlflow.exceptions import MlflowException
+
+    return isinstance(e, MlflowException) and e.get_http_status_code() < 500
+
+
+def send_records(client, run_id: str, records: list[dict], progress: list[int] | None = None) -> None:
+    """Send `records` (lines of an unsent file) to run `run_id` in order, metrics and tags batched;
+    `progress[0]` counts the first records sent (or refused by the store: named, then passed over)."""
+    from mlflow.entities import Metric, RunTag
+
+    metrics, tags = [], []
+    progress = progress if progress is not None else [0]
+
+    def done(n: int) -> None:
+        progress[0] = n
+
+    def flush_batch(upto: int) -> None:
         try:
-            yield Tracker(run.info.run_id)
-            status = "FINISHED"
-        except (runtime.Stopped, KeyboardInterrupt):
-            status = "KILLED"  # stopped by a signal (after a checkpoint, for a training stage): re-run it
+            for i in range(0, max(len(metrics), len(tags)), 1000):
+                client.log_batch(run_id, metrics=metrics[i : i + 1000], tags=tags[i : i + 100] if i == 0 else [])
+            for i in range(100, len(tags), 100):
+                client.log_batch(run_id, tags=tags[i : i + 100])
+        except Exception as e:
+            if not _refused(e):
+                raise
+            _say(f"run {run_id}: the store refused {len(metrics)} metric values and {len(tags)} tags ({_reason(e)})")
+        metrics.clear()
+        tags.clear()
+        done(upto)
+
+    for i, r in enumerate(records):
+        kind = r["kind"]
+        if kind in ("header", "sent"):
+            continue
+        if kind == "metrics":
+            metrics.extend(Metric(k, v, r["time"], r["step"] or 0) for k, v in r["values"].items())
+            continue
+        if kind == "tags":
+            tags.extend(RunTag(k, str(v)[:8000]) for k, v in r["tags"].items())
+            continue
+        flush_batch(i)
+        try:
+            _send_one(client, run_id, r)
+        except Exception as e:
+            if not _refused(e):
+                raise
+            _say(f"run {run_id}: the store refused a record of kind {kind} ({_reason(e)})")
+        done(i + 1)
+    flush_batch(len(records))
+
+
+def _send_one(client, run_id: str, r: dict) -> None:
+    kind = r["kind"]
+    if kind == "text":
+        client.log_text(run_id, r["text"], r["name"])
+    elif kind == "artifact":
+        path = Path(r["path"])
+        if not path.exists():
+            _say(f"run {run_id}: artifact {path} is gone; not sent")
+        elif path.is_dir():
+            client.log_artifacts(run_id, str(path), r["artifact_path"])
+        else:
+            client.log_artifact(run_id, str(path), r["artifact_path"])
+    elif kind == "register":  # a model version the stage could not register while the server was lost
+        from stages.common import registry
+
+        folder = Path(r["folder"])
+        if folder.is_dir() and registry.dvc_md5(folder) == r["tags"]["dvc_md5"]:
+            version = registry.register_version(client, run_id, r)
+            _say(f"run {run_id}: {folder} registered as {r['name']} version {version}")
+        else:
+            _say(f"run {run_id}: {folder} is gone or changed since the run; not registered as {r['name']}")
+    elif kind == "end":
+        client.set_terminated(run_id, status=r["status"], end_time=r["time"])
+        if r.get("parent"):
+            _end_parent(client, r["parent"], r["label"], r["status"], Path(r["lock"]))
+
+
+def _read_records(fh, start: int, end: int | None = None) -> list[tuple[dict, int]]:
+    """The records of an unsent file from byte `start` (to `end`), each with the offset after its line."""
+    fh.seek(start)
+    data = fh.read() if end is None else fh.read(end - start)
+    found, offset = [], start
+    for line in data.splitlines(keepends=True):
+        offset += len(line)
+        if line.strip():
+            found.append((json.loads(line), offset))
+    return found
+
+
+class Sender:
+    """The records of run `run_id` (rank 0's stage run), appended to `path` and sent by a thread."""
+
+    def __init__(self, client, run_id: str, uri: str, path: Path, header: dict, leftovers: list[Path] = ()):
+        import threading
+
+        self.client, self.run_id, self.uri, self.path = client, run_id, uri, path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "ab")  # noqa: SIM115 - open for the run's life
+        fcntl.flock(self.file, fcntl.LOCK_EX)  # held while this process lives: its file is not a leftover
+        self.file.write((json.dumps({"kind": "header", "run_id": run_id, "uri": uri, **header}) + "\n").encode())
+        self.file.flush()
+        self.sent = self.file.tell()  # (the header is not a record to send)
+        self.written = self.sent
+        self.lost: str | None = None  # why the server is taken as lost, while it is
+        self.busy_since: float | None = None
+        self.closing = False
+        self.stopped = False  # closed without having sent everything: the thread sends nothing more
+        self.leftovers = list(leftovers)
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="mlflow-sender", daemon=True)
+        self.thread.start()
+        self.watch = threading.Thread(target=self._watch, name="mlflow-sender-watch", daemon=True)
+        self.watch.start()
+
+    def put(self, record: dict) -> None:
+        """Append one record (never waits on the server)."""
+        line = (json.dumps(record, default=str) + "\n").encode()  # (ASCII: non-ASCII is escaped)
+        with self.lock:
+            if self.file.closed:  # (after close: kept nowhere, as the run has ended)
+                return
+            self.file.write(line)
+            self.file.flush()
+            self.written = self.file.tell()
+        self.wake.set()
+
+    def _lose(self, why: str) -> None:
+        with self.lock:
+            first, self.lost = self.lost is None, self.lost or why
+        if first:
+            _say(
+                f"the MLflow server {self.uri} is not taking this run's records ({why}); training goes on, "
+                f"the records wait in {self.path} and are sent when it answers"
+            )
+
+    def _watch(self) -> None:
+        while not self.stopped and (not self.closing or self.thread.is_alive()):
+            started = self.busy_since
+            if started is not None and time.monotonic() - started > STALL_S and self.lost is None:
+                self._lose(f"no answer for {STALL_S:.0f} s")
+            time.sleep(0.5)
+
+    def _unsent(self) -> list[tuple[dict, int]]:
+        with self.lock:
+            end = self.written
+        with open(self.path, "rb") as fh:
+            return _read_records(fh, self.sent, end)
+
+    def _advance(self, pending: list[tuple[dict, int]], n: int) -> None:
+        """The first `n` of `pending` are sent: noted in the file, where a later resend starts."""
+        if n == 0:
+            return
+        if any(r["kind"] != "sent" for r, _ in pending[:n]):
+            self.put({"kind": "sent", "upto": pending[n - 1][1]})
+        self.sent = pending[n - 1][1]
+
+    def _run(self) -> None:
+        try:
+            self._send_until_closed()
+        except (OSError, ValueError):  # the file closed under it: the process is ending
+            pass
+
+    def _send_until_closed(self) -> None:
+        while True:
+            self.wake.wait(PROBE_S)
+            self.wake.clear()
+            if self.stopped:  # (the file is left for a later send: sending from here too would double it)
+                return
+            if self.lost is not None:
+                problem = server_problem(self.uri, timeout_s=PROBE_S * 2)
+                if problem:
+                    continue
+            pending = self._unsent()
+            records = [r for r, _ in pending]
+            progress = [0]
+            try:
+                self.busy_since = time.monotonic()
+                while self.leftovers:
+                    try:
+                        resend(self.leftovers.pop(0), self.client)
+                    except (UserError, FileNotFoundError):
+                        pass  # another stage sends it, or has sent it
+                send_records(self.client, self.run_id, records, progress)
+            except Exception as e:  # noqa: BLE001 - kept on disk and sent again; the stage goes on
+                self._advance(pending, progress[0])
+                self._lose(_reason(e))
+                continue
+            finally:
+                self.busy_since = None
+            self._advance(pending, len(pending))
+            if self.lost is not None:
+                with self.lock:
+                    self.lost = None
+                _say(f"the MLflow server {self.uri} answers again; the records kept meanwhile are sent")
+            if self.closing and self.sent == self.written:
+                return
+
+    def close(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for every record to be sent; True when they were (the file is then
+        removed), else the file stays for a later send and the reason is printed."""
+        self.closing = True
+        self.wake.set()
+        self.thread.join(timeout_s)
+        done = not self.thread.is_alive() and self.sent == self.written
+        self.stopped = not done
+        if done:
+            self.path.unlink(missing_ok=True)
+            for folder in (self.path.parent, self.path.parent.parent):  # the folders, where nothing else is kept
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+        else:
+            _say(
+                f"run {self.run_id}'s last records did not reach {self.uri} within {timeout_s:.0f} s "
+                f"({self.lost or 'still sending'}); they are kept in {self.path}, sent by the next stage that "
+                f"reaches the server, or now by `python -m stages.common.track resend {self.path}`"
+            )
+        self.file.close()  # (releases the lock: the file is a leftover from here on)
+        return done
+
+
+def leftover_files(root: Path, uri: str) -> list[Path]:
+    """Unsent files under `root` of runs of `uri` whose writers are gone (their lock is free)."""
+    found = []
+    for path in sorted((root / UNSENT).glob("*.jsonl")):
+        try:
+            with open(path, "rb") as fh:
+                header = json.loads(fh.readline())
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (released on close)
+        except (OSError, ValueError):
+            continue  # written now by a live stage, or not a file of ours
+        if header.get("uri") == uri:
+            found.append(path)
+    return found
+
+
+def resend(path: Path, client=None) -> int:
+    """Send the records of an unsent file whose writer is gone, then remove it; the number sent."""
+    import mlflow
+
+    with open(path, "rb+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UserError(f"{path} is being written by a running stage; it sends it itself") from None
+        lines = _read_records(fh, 0)
+        header = lines[0][0]
+        sent_to = header["run_id"]
+        upto = max((r["upto"] for r, _ in lines if r["kind"] == "sent"), default=0)
+        # Records after the last one noted as sent (one sent just before its writer died is sent twice:
+        # MLflow keeps one of two equal metric points); the run's end last.
+        pending = [(r, at) for r, at in lines[1:] if at > upto and r["kind"] not in ("header", "sent")]
+        pending.sort(key=lambda p: p[0]["kind"] == "end")
+        records = [r for r, _ in pending]
+        progress = [0]
+        try:
+            send_records(client or mlflow.MlflowClient(header["uri"]), sent_to, records, progress)
+        except BaseException:
+            if progress[0] and all(r["kind"] != "end" for r in records[: progress[0]]):
+                fh.seek(0, os.SEEK_END)
+                fh.write((json.dumps({"kind": "sent", "upto": pending[progress[0] - 1][1]}) + "\n").encode())
             raise
-        finally:
-            mlflow.end_run(status=status)
-            if parent:
-                _end_parent(client, parent, run_name, status, lock)
+        path.unlink()
+    _say(f"sent {len(records)} records kept in {path} to run {sent_to}")
+    return len(records)
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m stages.common.track",
+        description="Send the MLflow records a stage kept on disk while its tracking server was lost.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    cmd = sub.add_parser("resend", help="send unsent files (default: every one under logs/mlflow-unsent/)")
+    cmd.add_argument("files", nargs="*", type=Path)
+    args = parser.parse_args(argv)
+    files = args.files or sorted((runtime.workspace() / UNSENT).glob("*.jsonl"))
+    if not files:
+        print("nothing to send")
+    for path in files:
+        problem = server_problem(json.loads(path.read_bytes().split(b"\n", 1)[0])["uri"])
+        if problem:
+            raise UserError(f"the tracking server of {path} does not answer ({problem}); try again once it does")
+        resend(path)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

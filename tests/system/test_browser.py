@@ -17,13 +17,13 @@ import json
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 from workspace import BIN, ROOT, env_for, local_run, sh
 
 from pipelines import dag
@@ -36,12 +36,6 @@ STAGES = set(dag.load_table())
 
 def chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def api(base: str, path: str, body: dict | None = None) -> dict:

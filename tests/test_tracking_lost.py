@@ -1,0 +1,216 @@
+"""A tracking server lost in the middle of a stage: training never waits on it.
+
+A real `mlflow server` behind a TCP proxy that the test switches (tests/test_tracking_lost.py: Proxy):
+  - `hang`: it accepts and never answers (the requests in flight too), then answers again while the stage
+    still trains: one warning naming the server within seconds, "answers again", and every step's metrics
+    on the server in the end, none lost;
+  - `refuse`: as a killed server, until after the stage ended: the stage publishes its outputs and exits 0
+    after PIPELINE_TRACKING_FLUSH_S, naming the file that keeps its records; `python -m
+    stages.common.track resend` sends them once the server is back: every step, the artifacts, the model
+    version it could not register, the run FINISHED.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TINY_MODEL, free_port, stage_env
+from shared_run import BIN
+
+# Steps of the stage: enough to outlast the hang and its recovery (it is stopped by the test once seen).
+LONG_STEPS = ["train.steps=100000", "train.eval_every=0", "train.checkpoint_every=0"]
+SHORT_STEPS = ["train.steps=300", "train.eval_every=100", "train.checkpoint_every=0"]
+
+
+class Proxy:
+    """TCP between the stages and the MLflow server, in one of three modes: `pass`; `refuse`, as a killed
+    server (open connections reset, new ones closed at once); `hang`, a server that accepts and never
+    answers (nothing forwarded either way, on open connections too)."""
+
+    def __init__(self, target: int):
+        self.target, self.mode, self.pairs = target, "pass", []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def set(self, mode: str) -> None:
+        self.mode = mode
+        if mode == "refuse":
+            for pair in self.pairs:
+                for s in pair:
+                    self._reset(s)
+            self.pairs.clear()
+
+    @staticmethod
+    def _reset(s: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # close with RST
+            s.close()
+
+    def _accept(self) -> None:
+        while True:
+            conn, _ = self.listener.accept()
+            if self.mode == "refuse":
+                self._reset(conn)
+                continue
+            if self.mode == "hang":
+                self.pairs.append((conn,))  # held open, never read
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.pairs.append((conn, upstream))
+            threading.Thread(target=self._pump, args=(conn, upstream), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, conn), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                while self.mode == "hang":
+                    time.sleep(0.05)
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    state = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{state}/mlflow.db"]
+    cmd += ["--artifacts-destination", str(state / "artifacts"), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--workers", "1"]
+    log = open(state / "server.log", "wb")  # noqa: SIM115 - the server's for its life
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    import urllib.request
+
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+            break
+        except OSError:
+            assert proc.poll() is None, (state / "server.log").read_text()[-3000:]
+            assert time.time() < deadline, "the MLflow server did not answer within 2 minutes"
+            time.sleep(0.5)
+    try:
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def stage(tokenized: Path, out: str, proxy: Proxy, steps: list[str]) -> subprocess.Popen:
+    env = stage_env(
+        tokenized,
+        PIPELINE_TRACKING="on",
+        PIPELINE_CHECKPOINTS=str(tokenized / f"ckpts-{out}"),
+        MLFLOW_TRACKING_URI=f"http://127.0.0.1:{proxy.port}",
+        PIPELINE_TRACKING_FLUSH_S="3",
+        PIPELINE_SYSTEM_METRICS="off",
+    )
+    cmd = [sys.executable, "-m", "stages.pretrain", "--input", "data/tokenize", "--output", out, *TINY_MODEL, *steps]
+    log = open(tokenized / f"{out}.log", "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, cwd=tokenized, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(what: str, check, proc: subprocess.Popen, log: Path, timeout_s: float = 240):
+    """Poll `check` until it returns something true; fail naming `what`, with the stage's log."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+    return found
+
+
+def steps_logged(client, run_id: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, "loss"))
+
+
+def stage_run(client, since_ms: int):
+    """The MLflow run of the pretrain stage started after `since_ms`, once the server has it."""
+    experiment = client.get_experiment_by_name("pipeline")
+    if experiment is None:
+        return None
+    runs = client.search_runs(
+        [experiment.experiment_id], "tags.stage = 'pretrain'", order_by=["attributes.start_time DESC"], max_results=1
+    )
+    return runs[0] if runs and runs[0].info.start_time >= since_ms else None
+
+
+def test_a_server_that_hangs_then_returns_loses_nothing_and_holds_nothing_up(tokenized, server):
+    import mlflow
+
+    client = mlflow.MlflowClient(f"http://127.0.0.1:{server}")
+    proxy = Proxy(server)
+    log = tokenized / "lost-hang.log"
+    since = int(time.time() * 1000)
+    proc = stage(tokenized, "lost-hang", proxy, LONG_STEPS)
+    try:
+        run = wait_for("the stage's run on the server", lambda: stage_run(client, since), proc, log)
+        wait_for("its first metrics", lambda: steps_logged(client, run.info.run_id), proc, log)
+        proxy.set("hang")
+        hung_at = time.monotonic()
+        wait_for("the warning", lambda: "is not taking this run's records" in log.read_text(), proc, log, 60)
+        warned_after = time.monotonic() - hung_at
+        assert f"the MLflow server http://127.0.0.1:{proxy.port} is not taking" in log.read_text()
+        proxy.set("pass")
+        wait_for("the return", lambda: "answers again" in log.read_text(), proc, log, 120)
+        proc.send_signal(signal.SIGTERM)  # the stage stops (its run KILLED) after sending what it kept
+        assert proc.wait(120) == 143, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    logged = steps_logged(client, run.info.run_id)
+    assert logged == list(range(1, len(logged) + 1)) and len(logged) > 10, f"steps lost: {logged[:20]}..."
+    assert client.get_run(run.info.run_id).info.status == "KILLED"
+    assert not list((tokenized / "logs/mlflow-unsent").glob("*.jsonl"))
+    print(f"warned {warned_after:.1f} s after the server hung; {len(logged)} steps on the server")
+
+
+def test_a_server_lost_until_the_end_gets_the_records_later(tokenized, server):
+    import mlflow
+
+    client = mlflow.MlflowClient(f"http://127.0.0.1:{server}")
+    proxy = Proxy(server)
+    log = tokenized / "lost-refuse.log"
+    since = int(time.time() * 1000)
+    proc = stage(tokenized, "lost-refuse", proxy, SHORT_STEPS)
+    try:
+        run = wait_for("the stage's run on the server", lambda: stage_run(client, since), proc, log)
+        wait_for("its first metrics", lambda: steps_logged(client, run.info.run_id), proc, log)
+        proxy.set("refuse")
+        assert proc.wait(600) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = log.read_text()
+    assert "is not taking this run's records" in lines and "did not reach" in lines, lines[-3000:]
+    assert "the model version(s) are registered when the run's kept records are sent" in lines
+    assert (tokenized / "lost-refuse/model/model.safetensors").is_file(), "the outputs are published"
+    (kept,) = (tokenized / "logs/mlflow-unsent").glob("*.jsonl")
+    assert str(kept) in lines
+    assert client.get_run(run.info.run_id).info.status == "RUNNING"
+    proxy.set("pass")
+    env = stage_env(tokenized, MLFLOW_TRACKING_URI=f"http://127.0.0.1:{proxy.port}")
+    sent = subprocess.run(
+        [sys.executable, "-m", "stages.common.track", "resend"], cwd=tokenized, env=env, capture_output=True, text=True
+    )
+    assert sent.returncode == 0 and f"kept in {kept}" in sent.stderr, sent.stdout + sent.stderr
+    assert steps_logged(client, run.info.run_id) == list(range(1, 301))
+    finished = client.get_run(run.info.run_id)
+    assert finished.info.status == "FINISHED" and "val_loss" in finished.data.metrics
+    assert {"meta.json", "plots", "environment"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    # the model version the stage could not register, registered from the kept records
+    (version,) = client.search_model_versions(f"name = 'pretrain' and run_id = '{run.info.run_id}'")
+    assert finished.data.tags["registered_model.pretrain"] == version.version and "dvc_md5" in version.tags
+    assert not kept.exists()
