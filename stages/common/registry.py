@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
-from stages.common import config, track
+from stages.common import config, digest, track
 
 ALIAS = "reproduced"
 
@@ -85,60 +83,13 @@ def tracking_client():
     return mlflow.MlflowClient(track.tracking_uri())
 
 
-def _local_path(uri: str) -> Path | None:
-    parsed = urlparse(uri)
-    if parsed.scheme == "file" or (parsed.scheme == "" and uri.startswith("/")):
-        return Path(unquote(parsed.path))
-    return None
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)  # published files are replaced, never written in place: sharing them is safe
-    except OSError:
-        shutil.copy2(src, dst)  # another filesystem, or links not allowed
-
-
-def store_folder(client, run_id: str, folder: Path, artifact_path: str) -> None:
-    """`folder` as the artifact `artifact_path` of run `run_id`."""
-    run = client.get_run(run_id)
-    local = _local_path(run.info.artifact_uri)
-    if local is None:
-        client.log_artifacts(run_id, str(folder), artifact_path)
-        return
-    dest = local / artifact_path
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(folder, tmp, copy_function=_link_or_copy)
-    tmp.rename(dest)
-
-
 def version_record(name: str, folder: Path, tags: dict, description: str) -> dict:
     """What registering the model in `folder` as a new version of `name` takes: its folder, its tags (its
     stage's lineage) with its own `dvc_md5`, taken now, and the registered model's description."""
     folder = Path(folder).resolve()
     tags = {**tags, "dvc_md5": dvc_md5(folder)}
-    return {"name": name, "folder": str(folder), "tags": tags, "description": description}
-
-
-def register_version(client, run_id: str, record: dict) -> int:
-    """Register `record` (version_record) as a new version of its model, from run `run_id`; the version."""
-    from mlflow.exceptions import MlflowException
-
-    name, folder = record["name"], Path(record["folder"])
-    artifact_path = f"models/{name}"
-    store_folder(client, run_id, folder, artifact_path)
-    try:
-        client.create_registered_model(name, description=record["description"])
-    except MlflowException as e:
-        if e.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-    version = client.create_model_version(
-        name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id, tags=record["tags"]
-    )
-    client.set_tag(run_id, f"registered_model.{name}", str(version.version))
-    return int(version.version)
+    content = digest.hash_files([folder])  # (checked before a later send registers it: track.Sender)
+    return {"name": name, "folder": str(folder), "tags": tags, "description": description, "content": content}
 
 
 def versions_with(name: str, key: str, value: str) -> list:
@@ -207,7 +158,7 @@ def resolve(uri: str) -> tuple[Path, str]:
     if source.startswith("runs:/"):  # the artifact of a run: where that run keeps its artifacts
         run_id, _, path = source.removeprefix("runs:/").partition("/")
         source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{path}"
-    local = _local_path(source)
+    local = track.local_path(source)
     if local is None or not local.is_dir():
         local = download(source, name, int(version.version))
     return local, f"models:/{name}/{version.version}"

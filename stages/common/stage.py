@@ -320,7 +320,7 @@ def register_models(tracker, section: str, cfg, models: dict, output, inputs: li
             return {}
         client = registry.tracking_client()
         for record in records:
-            versions[record["name"]] = registry.register_version(client, tracker.run_id, record)
+            versions[record["name"]] = track.register_version(client, tracker.run_id, record)
     except Exception as e:  # noqa: BLE001 - the stage published its output; the registry is a record of it
         print(f"{section}: could not register its model(s) in MLflow: {type(e).__name__}: {e}", file=sys.stderr)
         tracker.set_tags({"registry_error": f"{type(e).__name__}: {e}"[:500]})

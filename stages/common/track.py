@@ -18,13 +18,15 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
-from stages.common import runtime
+from stages.common import digest, runtime
 from stages.common.config import UserError
 
 EXPERIMENT = os.environ.get("MLFLOW_EXPERIMENT_NAME", "pipeline")
@@ -600,6 +602,57 @@ def send_records(client, run_id: str, records: list[dict], progress: list[int] |
     flush_batch(len(records))
 
 
+# ----------------------------------------------------------------------------- the model registry
+def local_path(uri: str) -> Path | None:
+    """The folder a file: artifact URI names, or None for other stores."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "file" or (parsed.scheme == "" and uri.startswith("/")):
+        return Path(unquote(parsed.path))
+    return None
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # published files are replaced, never written in place: sharing them is safe
+    except OSError:
+        shutil.copy2(src, dst)  # another filesystem, or links not allowed
+
+
+def store_folder(client, run_id: str, folder: Path, artifact_path: str) -> None:
+    """`folder` as the artifact `artifact_path` of run `run_id`."""
+    run = client.get_run(run_id)
+    local = local_path(run.info.artifact_uri)
+    if local is None:
+        client.log_artifacts(run_id, str(folder), artifact_path)
+        return
+    dest = local / artifact_path
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(folder, tmp, copy_function=_link_or_copy)
+    tmp.rename(dest)
+
+
+def register_version(client, run_id: str, record: dict) -> int:
+    """Register `record` (stages.common.registry.version_record: the model's folder, stored as the run's
+    artifact `models/<name>`, and its lineage tags) as a new version of its model, from run `run_id`."""
+    from mlflow.exceptions import MlflowException
+
+    name, folder = record["name"], Path(record["folder"])
+    artifact_path = f"models/{name}"
+    store_folder(client, run_id, folder, artifact_path)
+    try:
+        client.create_registered_model(name, description=record["description"])
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    version = client.create_model_version(
+        name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id, tags=record["tags"]
+    )
+    client.set_tag(run_id, f"registered_model.{name}", str(version.version))
+    return int(version.version)
+
+
 def _send_one(client, run_id: str, r: dict) -> None:
     kind = r["kind"]
     if kind == "text":
@@ -613,11 +666,9 @@ def _send_one(client, run_id: str, r: dict) -> None:
         else:
             client.log_artifact(run_id, str(path), r["artifact_path"])
     elif kind == "register":  # a model version the stage could not register while the server was lost
-        from stages.common import registry
-
         folder = Path(r["folder"])
-        if folder.is_dir() and registry.dvc_md5(folder) == r["tags"]["dvc_md5"]:
-            version = registry.register_version(client, run_id, r)
+        if folder.is_dir() and digest.hash_files([folder]) == r["content"]:
+            version = register_version(client, run_id, r)
             _say(f"run {run_id}: {folder} registered as {r['name']} version {version}")
         else:
             _say(f"run {run_id}: {folder} is gone or changed since the run; not registered as {r['name']}")
