@@ -40,10 +40,10 @@ run: $(STAMP)
 # Tests run in pytest-xdist workers, each module's tests in one worker, the longest modules first
 # (tests/conftest.py): much of a test's time is process start-up and waits that leave a core idle, so make
 # test runs more workers than a 2-core machine has cores (TEST_WORKERS, 3: 16 min of pytest where 2 took 20).
-# make test-system keeps SYSTEM_TEST_WORKERS (2): its lost-node and preemption tests wait on heartbeats
-# and time limits. 0: one process.
+# make test-system runs SYSTEM_TEST_WORKERS (3) as well: its tests wait on SLURM, heartbeats, image builds
+# and the network as much as they compute (the time limits they check leave minutes of room). 0: one process.
 TEST_WORKERS ?= 3
-SYSTEM_TEST_WORKERS ?= 2
+SYSTEM_TEST_WORKERS ?= 3
 # PYTEST_ARGS: more pytest options (.ci/run adds a JUnit report).
 PYTEST := python -m pytest -q --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 

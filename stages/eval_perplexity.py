@@ -58,7 +58,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages.common import atomic, config, hf_folder, registry, runtime, shards, stage, track
+from stages.common import atomic, config, hf_folder, registry, runtime, shards, stage, track, watchdog
 
 STAGE = "eval_perplexity"
 METRICS = ("nll", "perplexity", "bits_per_byte", "byte_perplexity", "word_perplexity", "tokens")
@@ -75,9 +75,14 @@ class Config:
     max_tokens: int
     prepend_bos: bool
     precision: str
+    # A rank without a finished batch for this long (or 10 median batches, whichever is longer) ends the
+    # stage, naming it (stages.common.watchdog), instead of the others waiting out the collective timeout.
+    hang_timeout_s: float = 300.0
 
     def __post_init__(self):
         runtime.check_precision(self.precision)
+        if not self.hang_timeout_s > 0:
+            raise ValueError(f"hang_timeout_s must be > 0 seconds, got {self.hang_timeout_s}")
         if not self.contexts or min(self.contexts) < 1 or list(self.contexts) != sorted(set(self.contexts)):
             raise ValueError(
                 f"contexts must be a non-empty list of increasing positive ints, got {list(self.contexts)}"
@@ -295,12 +300,20 @@ def batches(windows: list, size: int):
 
 
 @torch.inference_mode()
-def evaluate(model, ids: Tokens, context: int, stride: int, batch_size: int, rt: runtime.Runtime) -> torch.Tensor:
-    """(2, context) float64: NLL sum and scored-token count per prediction position, summed over ranks."""
+def evaluate(
+    model, ids: Tokens, context: int, stride: int, batch_size: int, rt: runtime.Runtime, watch=None, what: str = ""
+) -> torch.Tensor:
+    """(2, context) float64: NLL sum and scored-token count per prediction position, summed over ranks.
+    Each batch is a beat of `watch` (a watchdog.Watchdog; `what` names the model and context)."""
     plan = plan_windows(len(ids), context, stride)
     mine = plan[rt.rank * len(plan) // rt.world_size : (rt.rank + 1) * len(plan) // rt.world_size]
     sums = torch.zeros(2, context, dtype=torch.float64, device=rt.device)
-    for batch in batches(mine, batch_size):
+    mine_batches = list(batches(mine, batch_size))
+    for i, batch in enumerate(mine_batches):
+        started = time.perf_counter()
+        if watch is not None:
+            watchdog.injected_stall(rt.rank, watch.done)
+            watch.beat(where=f"in batch {i + 1} of {len(mine_batches)} ({what})")
         length, first = batch[0][1], min(w[2] for w in batch)
         keep = length - first  # only these positions' logits are needed
         rows = np.stack([ids[w[0] : w[0] + length + 1] for w in batch])
@@ -312,6 +325,12 @@ def evaluate(model, ids: Tokens, context: int, stride: int, batch_size: int, rt:
         scored = pos[None, :] >= torch.tensor([w[2] for w in batch], device=rt.device)[:, None]  # (B, keep)
         sums[0, first:length] += torch.where(scored, nll, 0.0).sum(0)
         sums[1, first:length] += scored.sum(0)
+        if watch is not None:
+            watch.beat(
+                watch.done + 1, f"after batch {i + 1} of {len(mine_batches)} ({what})", time.perf_counter() - started
+            )
+    if watch is not None:
+        watch.beat(where=f"summing the ranks' results ({what})")
     return runtime.all_reduce_sum(sums)
 
 
@@ -418,15 +437,18 @@ def run(specs, streams, cfg: Config, output: Path, measured: Path, rt: runtime.R
     speed = {}  # {model: {ctx<n>: tokens/s}}: measured, outside the output
     dtype = runtime.compute_dtype(rt.device, cfg.precision)
     runtime.warn_if_emulated_bf16(rt.device, dtype, rt)
-    with atomic.folder(output, rt) as tmp:
+    on_hang = getattr(tracker, "fail_from_thread", None)
+    with watchdog.watching(rt, cfg.hang_timeout_s, on_hang) as watch, atomic.folder(output, rt) as tmp:
         for spec in specs:
+            watch.beat(where=f"loading {spec.label}")
             model, stream = load_model(spec, rt, cfg.precision), streams[spec.label]
             results = metrics["models"][spec.label] = {}
             for context in cfg.contexts:
                 stride = cfg.stride or context
                 runtime.barrier()
                 t0 = time.perf_counter()
-                sums = evaluate(model, stream.ids, context, stride, cfg.batch_size, rt).cpu()
+                what = f"{spec.label}, context {context}"
+                sums = evaluate(model, stream.ids, context, stride, cfg.batch_size, rt, watch, what).cpu()
                 seconds = time.perf_counter() - t0
                 tokens = int(sums[1].sum().item())
                 tokens_per_s = tokens / max(seconds, 1e-9)

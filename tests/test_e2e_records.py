@@ -205,8 +205,8 @@ def test_an_output_changed_in_place_is_remade_by_both_tools(clone):
 
 
 def test_verify_holds_after_a_run_and_names_each_broken_link(clone):
-    """`python -m pipelines.verify` on the run: every link holds. Then one link broken at a time (a
-    reproduced figure, a model file, dvc.lock, a registry tag, the code): it exits 1 naming that link."""
+    """`python -m pipelines.verify` on the run: every link holds. Then links broken (a reproduced figure, a
+    model file, dvc.lock, a registry tag at once; then the code): it exits 1 naming each."""
     import mlflow
 
     out = sh("python -m pipelines.verify", clone)
@@ -234,28 +234,31 @@ def test_verify_holds_after_a_run_and_names_each_broken_link(clone):
         rows[0]["ours"] += 1
         path.write_text(json.dumps(rows))
 
+    # Four links broken at once (verify reports every link): a reproduced figure, a model file, the record
+    # of an out in dvc.lock, a registry tag.
     results = clone / "data/train_gnn/results.json"
     row = json.loads(results.read_text())[0]["result"]
-    out = edited(results, one_more)
-    assert re.search(rf"^BROKEN +report +row '{re.escape(row)}' shows", out, re.M), out
-    assert re.search(r"^BROKEN +outs +data/train_gnn is modified against dvc.lock", out, re.M), out
-
-    out = edited(clone / "data/pretrain/model/config.json", lambda p: p.write_text(p.read_text() + " "))
-    assert re.search(r"^BROKEN +outs +data/pretrain is modified .*mend: dvc checkout data/pretrain", out, re.M), out
-
     lock = yaml.safe_load((clone / "dvc.lock").read_text())
     md5 = next(o["md5"] for o in lock["stages"]["tokenize"]["outs"])
-    out = edited(clone / "dvc.lock", lambda p: p.write_text(p.read_text().replace(md5, "0" * 32 + ".dir")))
-    assert re.search(r"^BROKEN +outs +data/tokenize is [\w ]+ against dvc.lock", out, re.M), out  # (not in cache)
-
     client = mlflow.MlflowClient(f"sqlite:///{clone / 'mlflow.db'}")
     (version,) = client.search_model_versions("name = 'pretrain'")
     recorded = version.tags["output_dvc_md5"]
-    client.set_model_version_tag("pretrain", version.version, "output_dvc_md5", "0" * 32 + ".dir")
+    config_json = clone / "data/pretrain/model/config.json"
+    saved = {p: p.read_bytes() for p in (results, config_json, clone / "dvc.lock")}
     try:
+        one_more(results)
+        config_json.write_text(config_json.read_text() + " ")
+        (clone / "dvc.lock").write_text((clone / "dvc.lock").read_text().replace(md5, "0" * 32 + ".dir"))
+        client.set_model_version_tag("pretrain", version.version, "output_dvc_md5", "0" * 32 + ".dir")
         out = broken()
     finally:
+        for path, data in saved.items():
+            path.write_bytes(data)
         client.set_model_version_tag("pretrain", version.version, "output_dvc_md5", recorded)
+    assert re.search(rf"^BROKEN +report +row '{re.escape(row)}' shows", out, re.M), out
+    assert re.search(r"^BROKEN +outs +data/train_gnn is modified against dvc.lock", out, re.M), out
+    assert re.search(r"^BROKEN +outs +data/pretrain is modified .*mend: dvc checkout data/pretrain", out, re.M), out
+    assert re.search(r"^BROKEN +outs +data/tokenize is [\w ]+ against dvc.lock", out, re.M), out  # (not in cache)
     assert re.search(r"^BROKEN +registry +models:/pretrain \(data/pretrain, stage pretrain\): no version", out, re.M)
 
     # An edit that breaks the module's import: each stage importing it is named, and the run goes on.

@@ -389,3 +389,41 @@ def test_windows_score_every_token_once():
         assert sorted(targets) == list(range(1, n)), (n, context, stride)
         assert all(length == context for _, length, _ in plan[:-1])
         assert [first for _, _, first in plan[1:-1]] == [context - stride] * (len(plan) - 2)
+
+
+def test_a_rank_that_stops_in_an_evaluation_ends_the_stage_naming_it(shard_run, assets, tmp_path):
+    """Rank 1 of 2 stops for good before its third batch (a fault injected); rank 0 finishes its windows
+    and waits in the sum over ranks. The hang watchdog ends the stage after hang_timeout_s (5 s; a batch
+    here takes milliseconds) instead of the 1800 s collective timeout: both ranks' stacks in the log, rank
+    1 and its host named in the last line, exit 124 through the launcher, nothing published, the MLflow
+    run FAILED with the cause tagged."""
+    import re
+    import socket
+    import subprocess
+    import sys
+
+    import mlflow
+    from conftest import stage_env
+
+    from stages.common import watchdog
+
+    out = tmp_path / "stalled"
+    args = [*SHARD_RUN[:5], str(out), *SHARD_RUN[6:], "hang_timeout_s=5"]
+    env = stage_env(assets, PIPELINE_NPROC_PER_NODE="2", PIPELINE_FAULT_STALL="1:2", **TRACKED)
+    cmd = [sys.executable, "-m", "pipelines.launch", "eval_perplexity", *args]
+    # (timeout: the guard against the collective timeout this test is about)
+    proc = subprocess.run(cmd, cwd=assets, env=env, capture_output=True, text=True, timeout=180)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == watchdog.HANG_EXIT, log[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    where = r"\(after batch 2 of \d+ \(tiny, context 48\)\)"
+    host = re.escape(socket.gethostname())
+    assert re.match(rf"error: hang: rank 1 on {host} {where} made no progress for \d+ s", last), last
+    rank0, rank1 = log.index("[rank 0] "), log.index("[rank 1] ")
+    assert "waits in a collective; Python stacks:" in log[rank0:rank1], log[rank0:]
+    assert "in injected_stall" in log[rank1:] and "in evaluate" in log[rank0:rank1], log[rank0:]
+    assert not out.exists()
+    client = mlflow.MlflowClient(f"sqlite:///{assets / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("pipeline").experiment_id
+    (run,) = client.search_runs([experiment], "tags.stage = 'eval_perplexity' and attributes.status = 'FAILED'")
+    assert run.data.tags["failure"] == "hang" and "rank 1 on" in run.data.tags["failure_cause"]

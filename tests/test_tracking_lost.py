@@ -27,7 +27,7 @@ from shared_run import BIN
 
 # Steps of the stage: enough to outlast the hang and its recovery (it is stopped by the test once seen).
 LONG_STEPS = ["train.steps=100000", "train.eval_every=0", "train.checkpoint_every=0"]
-SHORT_STEPS = ["train.steps=300", "train.eval_every=100", "train.checkpoint_every=0"]
+SHORT_STEPS = ["train.steps=200", "train.eval_every=100", "train.checkpoint_every=0"]
 
 
 class Proxy:
@@ -206,7 +206,7 @@ def test_a_server_lost_until_the_end_gets_the_records_later(tokenized, server):
         [sys.executable, "-m", "stages.common.track", "resend"], cwd=tokenized, env=env, capture_output=True, text=True
     )
     assert sent.returncode == 0 and f"kept in {kept}" in sent.stderr, sent.stdout + sent.stderr
-    assert steps_logged(client, run.info.run_id) == list(range(1, 301))
+    assert steps_logged(client, run.info.run_id) == list(range(1, 201))
     finished = client.get_run(run.info.run_id)
     assert finished.info.status == "FINISHED" and "val_loss" in finished.data.metrics
     assert {"meta.json", "plots", "environment"} <= {a.path for a in client.list_artifacts(run.info.run_id)}

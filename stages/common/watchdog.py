@@ -1,9 +1,11 @@
-"""The hang watchdog: a training run whose steps stop making progress ends in seconds, not at a timeout.
+"""The hang watchdog: a training or evaluation run whose steps stop making progress ends in seconds, not at
+a timeout.
 
 A rank that stops making progress (a peer stuck in I/O, a deadlocked collective, a lost GPU) leaves the
 others blocked in their next collective until the process group's timeout (`train.collective_timeout_s`,
 1800 s by default). Every rank of a training run keeps a `Watchdog`: the loop calls `beat()` after each
-train step, each validation batch and each checkpoint save. When no beat came for
+train step, each validation batch and each checkpoint save (eval_perplexity: after each batch, with its
+own `hang_timeout_s`). When no beat came for
 
     max(train.hang_timeout_s, HANG_STEP_MULTIPLE x the median train step of this run)
 
@@ -19,6 +21,7 @@ resumes from the last intact one. A rank whose reports cannot reach rank 0 print
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -88,6 +91,16 @@ def default_store():
     except Exception:  # noqa: BLE001 - no store: each rank reports alone
         pass
     return None
+
+
+@contextlib.contextmanager
+def watching(rt: runtime.Runtime, floor_s: float, on_hang=None):
+    """A Watchdog of this rank (the process group's store shared) while the block runs."""
+    watch = Watchdog(rt.rank, rt.world_size, floor_s, on_hang, default_store())
+    try:
+        yield watch
+    finally:
+        watch.close()
 
 
 class Watchdog:
