@@ -214,3 +214,48 @@ def test_a_server_lost_until_the_end_gets_the_records_later(tokenized, server):
     (version,) = client.search_model_versions(f"name = 'pretrain' and run_id = '{run.info.run_id}'")
     assert finished.data.tags["registered_model.pretrain"] == version.version and "dvc_md5" in version.tags
     assert not kept.exists()
+
+
+def test_kept_records_are_sent_once_from_where_their_writer_stopped(tmp_path, monkeypatch):
+    """What a killed stage left in its unsent file: the records after its last `sent` mark go out, a line
+    cut short by the kill is passed over, a model version sent twice is registered once, and a file whose
+    writer still runs is left to it."""
+    import fcntl
+    import json
+
+    import mlflow
+
+    from stages.common import registry, runtime, track
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("PIPELINE_RUN_ID", raising=False)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model/weights.bin").write_bytes(b"\0" * 64)
+    record = registry.version_record("tiny", tmp_path / "model", {"lineage": "x"}, "a model")
+    with track.start_run("probe", {}, "", runtime.Runtime(0, 1, 0, 1, None)) as tracker:
+        tracker.sender.put({"kind": "register", **record})
+        tracker.sender.put({"kind": "register", **record})  # (as a resend after a kill would)
+        run_id = tracker.run_id
+    client = mlflow.MlflowClient(uri)
+    assert len(client.search_model_versions("name = 'tiny'")) == 1
+    assert not (tmp_path / track.UNSENT).exists(), "a stage whose records all went out leaves no file"
+
+    # A file as a killed writer leaves it: `a` sent and marked, `b` not, then half a line.
+    kept = tmp_path / track.UNSENT / "killed.jsonl"
+    kept.parent.mkdir(parents=True)
+    lines = [{"kind": "header", "run_id": run_id, "uri": uri}]
+    lines += [{"kind": "metrics", "values": {"a": 1.0}, "step": 1, "time": 1}]
+    head = "".join(json.dumps(r) + "\n" for r in lines)
+    lines = [{"kind": "sent", "upto": len(head)}, {"kind": "metrics", "values": {"b": 2.0}, "step": 1, "time": 1}]
+    kept.write_text(head + "".join(json.dumps(r) + "\n" for r in lines) + '{"kind": "metr')
+    with open(kept, "rb") as live:  # its writer still running: not a leftover
+        fcntl.flock(live, fcntl.LOCK_EX)
+        assert track.leftover_files(tmp_path, uri) == []
+        with pytest.raises(track.UserError, match="being written by a running stage"):
+            track.resend(kept)
+    assert track.leftover_files(tmp_path, uri) == [kept]
+    assert track.resend(kept) == 1 and not kept.exists()
+    metrics = client.get_run(run_id).data.metrics
+    assert metrics.get("b") == 2.0 and "a" not in metrics

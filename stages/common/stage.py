@@ -288,13 +288,12 @@ def publish(output: str | Path, rt: runtime.Runtime, write):
     return runtime.broadcast_object(result)
 
 
-def register_models(tracker, section: str, cfg, models: dict, output, inputs: list, digest: str) -> dict:
+def register_models(tracker, section: str, cfg, models: dict, output, inputs: list, digest: str) -> None:
     """Register each model folder the stage published in `output` ({item or None: folder}) in the MLflow
     model registry as `<section>` or `<section>-<item>`, with its lineage (stages/common/registry.py).
-    Rank 0 with a run open; returns {registered name: version}."""
+    Rank 0 with a run open."""
     if not tracker:
-        return {}
-    versions = {}
+        return
     try:
         tags = registry.lineage(Path(output), [Path(p) for p in inputs], config.as_dict(cfg), digest)
         tags |= {k: v for k, v in record_tags(section).items() if not k.startswith("package.")}
@@ -307,24 +306,19 @@ def register_models(tracker, section: str, cfg, models: dict, output, inputs: li
             )
             for item, folder in models.items()
         ]
-        # The registry is written directly once the run's records are in; with the server lost, the
-        # versions wait with them and are registered when they are sent (track.Sender).
+        # Registered by the run's sender, after its other records (never waiting on the server here):
+        # waited for at most PIPELINE_TRACKING_FLUSH_S; with the server lost they are kept with the rest.
+        for record in records:
+            tracker.sender.put({"kind": "register", **record})
         if not tracker.flush(track.flush_s()):
-            for record in records:
-                tracker.sender.put({"kind": "register", **record})
             print(
                 f"{section}: the MLflow server does not take records ({tracker.lost or 'still sending'}); "
                 "the model version(s) are registered when the run's kept records are sent",
                 file=sys.stderr,
             )
-            return {}
-        client = registry.tracking_client()
-        for record in records:
-            versions[record["name"]] = track.register_version(client, tracker.run_id, record)
     except Exception as e:  # noqa: BLE001 - the stage published its output; the registry is a record of it
         print(f"{section}: could not register its model(s) in MLflow: {type(e).__name__}: {e}", file=sys.stderr)
         tracker.set_tags({"registry_error": f"{type(e).__name__}: {e}"[:500]})
-    return versions
 
 
 def entry(main) -> None:

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import os
 import platform
@@ -556,18 +557,21 @@ def _refused(e: Exception) -> bool:
     return isinstance(e, MlflowException) and e.get_http_status_code() < 500
 
 
-def send_records(client, run_id: str, records: list[dict], progress: list[int] | None = None) -> None:
+def send_records(client, run_id: str, records: list[dict], progress: list[int] | None = None, busy=None) -> None:
     """Send `records` (lines of an unsent file) to run `run_id` in order, metrics and tags batched;
-    `progress[0]` counts the first records sent (or refused by the store: named, then passed over)."""
+    `progress[0]` counts the first records sent (or refused by the store: named, then passed over);
+    `busy(kind)` is told the kind of each request before it goes out."""
     from mlflow.entities import Metric, RunTag
 
     metrics, tags = [], []
     progress = progress if progress is not None else [0]
+    busy = busy or (lambda kind: None)
 
     def done(n: int) -> None:
         progress[0] = n
 
     def flush_batch(upto: int) -> None:
+        busy("metrics")
         try:
             for i in range(0, max(len(metrics), len(tags)), 1000):
                 client.log_batch(run_id, metrics=metrics[i : i + 1000], tags=tags[i : i + 100] if i == 0 else [])
@@ -592,12 +596,16 @@ def send_records(client, run_id: str, records: list[dict], progress: list[int] |
             tags.extend(RunTag(k, str(v)[:8000]) for k, v in r["tags"].items())
             continue
         flush_batch(i)
+        busy(kind)
         try:
             _send_one(client, run_id, r)
         except Exception as e:
             if not _refused(e):
                 raise
             _say(f"run {run_id}: the store refused a record of kind {kind} ({_reason(e)})")
+            if kind == "register":
+                with contextlib.suppress(Exception):
+                    client.set_tag(run_id, "registry_error", f"{r['name']}: {_reason(e)}"[:500])
         done(i + 1)
     flush_batch(len(records))
 
@@ -639,6 +647,10 @@ def register_version(client, run_id: str, record: dict) -> int:
     from mlflow.exceptions import MlflowException
 
     name, folder = record["name"], Path(record["folder"])
+    # Once per run and name: a registration sent again (its writer stopped before noting it as sent)
+    # finds its version.
+    for found in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
+        return int(found.version)
     artifact_path = f"models/{name}"
     store_folder(client, run_id, folder, artifact_path)
     try:
@@ -679,15 +691,37 @@ def _send_one(client, run_id: str, r: dict) -> None:
 
 
 def _read_records(fh, start: int, end: int | None = None) -> list[tuple[dict, int]]:
-    """The records of an unsent file from byte `start` (to `end`), each with the offset after its line."""
+    """The records of an unsent file from byte `start` (to `end`), each with the offset after its line. A
+    last line without its newline (a write cut short by a kill or a full disk) is left out, as is a line
+    that does not parse (named)."""
     fh.seek(start)
     data = fh.read() if end is None else fh.read(end - start)
     found, offset = [], start
     for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
         offset += len(line)
         if line.strip():
-            found.append((json.loads(line), offset))
+            try:
+                found.append((json.loads(line), offset))
+            except ValueError:
+                where = f"{getattr(fh, 'name', 'an unsent file')}, byte {offset - len(line)}"
+                _say(f"{where}: a damaged line passed over")
     return found
+
+
+def _open_locked(path: Path, mode: str):
+    """`path` opened and locked (flock, without waiting), or OSError: a live writer holds it, or it was
+    removed meanwhile (sent by another process: its lock was taken on the file just unlinked)."""
+    fh = open(path, mode)  # noqa: SIM115 - returned
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fh.fileno()).st_nlink == 0:
+            raise FileNotFoundError(path)
+    except OSError:
+        fh.close()
+        raise
+    return fh
 
 
 class Sender:
@@ -697,17 +731,23 @@ class Sender:
         import threading
 
         self.client, self.run_id, self.uri, self.path = client, run_id, uri, path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "ab")  # noqa: SIM115 - open for the run's life
+        for attempt in range(3):  # (a stage ending beside this one removes the empty folder)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.file = open(path, "ab")  # noqa: SIM115 - open for the run's life
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         fcntl.flock(self.file, fcntl.LOCK_EX)  # held while this process lives: its file is not a leftover
         self.file.write((json.dumps({"kind": "header", "run_id": run_id, "uri": uri, **header}) + "\n").encode())
         self.file.flush()
         self.sent = self.file.tell()  # (the header is not a record to send)
         self.written = self.sent
         self.lost: str | None = None  # why the server is taken as lost, while it is
-        self.busy_since: float | None = None
+        self.busy_since: float | None = None  # when the request in flight started (metrics and tags)
         self.closing = False
-        self.stopped = False  # closed without having sent everything: the thread sends nothing more
+        self.accepting = True  # False once the run has ended: its records are all in the file
         self.leftovers = list(leftovers)
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -718,9 +758,13 @@ class Sender:
 
     def put(self, record: dict) -> None:
         """Append one record (never waits on the server)."""
+        if self.accepting:
+            self._append(record)
+
+    def _append(self, record: dict) -> None:
         line = (json.dumps(record, default=str) + "\n").encode()  # (ASCII: non-ASCII is escaped)
         with self.lock:
-            if self.file.closed:  # (after close: kept nowhere, as the run has ended)
+            if self.file.closed:
                 return
             self.file.write(line)
             self.file.flush()
@@ -737,9 +781,11 @@ class Sender:
             )
 
     def _watch(self) -> None:
-        while not self.stopped and (not self.closing or self.thread.is_alive()):
-            started = self.busy_since
-            if started is not None and time.monotonic() - started > STALL_S and self.lost is None:
+        while not self.file.closed:
+            with self.lock:
+                started = self.busy_since
+                stalled = started is not None and time.monotonic() - started > STALL_S and self.lost is None
+            if stalled:
                 self._lose(f"no answer for {STALL_S:.0f} s")
             time.sleep(0.5)
 
@@ -754,8 +800,14 @@ class Sender:
         if n == 0:
             return
         if any(r["kind"] != "sent" for r, _ in pending[:n]):
-            self.put({"kind": "sent", "upto": pending[n - 1][1]})
+            self._append({"kind": "sent", "upto": pending[n - 1][1]})
         self.sent = pending[n - 1][1]
+
+    def _busy(self, kind: str | None) -> None:
+        """Note a request in flight (or none): a batch of metrics and tags unanswered for STALL_S means a
+        lost server; an upload (an artifact, a model) may take longer and fails by its own time-outs."""
+        with self.lock:
+            self.busy_since = time.monotonic() if kind in ("metrics", "tags") else None
 
     def _run(self) -> None:
         try:
@@ -767,29 +819,24 @@ class Sender:
         while True:
             self.wake.wait(PROBE_S)
             self.wake.clear()
-            if self.stopped:  # (the file is left for a later send: sending from here too would double it)
-                return
             if self.lost is not None:
                 problem = server_problem(self.uri, timeout_s=PROBE_S * 2)
                 if problem:
                     continue
             pending = self._unsent()
-            records = [r for r, _ in pending]
             progress = [0]
             try:
-                self.busy_since = time.monotonic()
-                while self.leftovers:
-                    try:
-                        resend(self.leftovers.pop(0), self.client)
-                    except (UserError, FileNotFoundError):
-                        pass  # another stage sends it, or has sent it
-                send_records(self.client, self.run_id, records, progress)
+                send_records(self.client, self.run_id, [r for r, _ in pending], progress, self._busy)
+                if not pending:  # (others' leftovers only when this run's own records are in)
+                    while self.leftovers:
+                        with contextlib.suppress(UserError, FileNotFoundError):  # sent by another stage
+                            resend(self.leftovers.pop(0), self.client)
             except Exception as e:  # noqa: BLE001 - kept on disk and sent again; the stage goes on
                 self._advance(pending, progress[0])
                 self._lose(_reason(e))
                 continue
             finally:
-                self.busy_since = None
+                self._busy(None)
             self._advance(pending, len(pending))
             if self.lost is not None:
                 with self.lock:
@@ -799,26 +846,28 @@ class Sender:
                 return
 
     def close(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for every record to be sent; True when they were (the file is then
-        removed), else the file stays for a later send and the reason is printed."""
+        """The run has ended: wait up to `timeout_s` for every record to be sent; True when they were (the
+        file is then removed). Else the reason is printed, and the thread goes on sending while the
+        process lives, the file locked; what is left then is a leftover for a later send."""
+        self.accepting = False
         self.closing = True
         self.wake.set()
         self.thread.join(timeout_s)
         done = not self.thread.is_alive() and self.sent == self.written
-        self.stopped = not done
-        if done:
-            self.path.unlink(missing_ok=True)
-            for folder in (self.path.parent, self.path.parent.parent):  # the folders, where nothing else is kept
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
-        else:
+        if not done:
             _say(
                 f"run {self.run_id}'s last records did not reach {self.uri} within {timeout_s:.0f} s "
                 f"({self.lost or 'still sending'}); they are kept in {self.path}, sent by the next stage that "
-                f"reaches the server, or now by `python -m stages.common.track resend {self.path}`"
+                f"reaches the server, or by `python -m stages.common.track resend {self.path}`"
             )
-        self.file.close()  # (releases the lock: the file is a leftover from here on)
-        return done
+            return False
+        with self.lock:
+            self.path.unlink(missing_ok=True)
+            self.file.close()
+        for folder in (self.path.parent, self.path.parent.parent):  # the folders, where nothing else is kept
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        return True
 
 
 def leftover_files(root: Path, uri: str) -> list[Path]:
@@ -826,11 +875,10 @@ def leftover_files(root: Path, uri: str) -> list[Path]:
     found = []
     for path in sorted((root / UNSENT).glob("*.jsonl")):
         try:
-            with open(path, "rb") as fh:
+            with _open_locked(path, "rb") as fh:  # (the lock is released on close)
                 header = json.loads(fh.readline())
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (released on close)
         except (OSError, ValueError):
-            continue  # written now by a live stage, or not a file of ours
+            continue  # written now by a live stage, sent meanwhile, or not a file of ours
         if header.get("uri") == uri:
             found.append(path)
     return found
@@ -840,31 +888,39 @@ def resend(path: Path, client=None) -> int:
     """Send the records of an unsent file whose writer is gone, then remove it; the number sent."""
     import mlflow
 
-    with open(path, "rb+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise UserError(f"{path} is being written by a running stage; it sends it itself") from None
+    try:
+        fh = _open_locked(path, "rb+")
+    except FileNotFoundError:
+        raise
+    except OSError:
+        raise UserError(f"{path} is being written by a running stage; it sends it itself") from None
+    with fh:
         lines = _read_records(fh, 0)
         header = lines[0][0]
         sent_to = header["run_id"]
         upto = max((r["upto"] for r, _ in lines if r["kind"] == "sent"), default=0)
         # Records after the last one noted as sent (one sent just before its writer died is sent twice:
-        # MLflow keeps one of two equal metric points); the run's end last.
+        # MLflow keeps one of two equal metric points, and a model version is registered once per run);
+        # the run's end last.
         pending = [(r, at) for r, at in lines[1:] if at > upto and r["kind"] not in ("header", "sent")]
-        pending.sort(key=lambda p: p[0]["kind"] == "end")
-        records = [r for r, _ in pending]
+        ordered = sorted(pending, key=lambda p: p[0]["kind"] == "end")
         progress = [0]
         try:
-            send_records(client or mlflow.MlflowClient(header["uri"]), sent_to, records, progress)
+            send_records(client or mlflow.MlflowClient(header["uri"]), sent_to, [r for r, _ in ordered], progress)
         except BaseException:
-            if progress[0] and all(r["kind"] != "end" for r in records[: progress[0]]):
+            done = {id(r) for r, _ in ordered[: progress[0]]}
+            prefix = list(itertools.takewhile(lambda p: id(p[0]) in done, pending))  # sent, in the file's order
+            if prefix:
                 fh.seek(0, os.SEEK_END)
-                fh.write((json.dumps({"kind": "sent", "upto": pending[progress[0] - 1][1]}) + "\n").encode())
+                end = fh.tell()
+                if lines and end > lines[-1][1]:  # a cut last line: dropped before a line is added
+                    fh.truncate(lines[-1][1])
+                    fh.seek(lines[-1][1])
+                fh.write((json.dumps({"kind": "sent", "upto": prefix[-1][1]}) + "\n").encode())
             raise
         path.unlink()
-    _say(f"sent {len(records)} records kept in {path} to run {sent_to}")
-    return len(records)
+    _say(f"sent {len(pending)} records kept in {path} to run {sent_to}")
+    return len(pending)
 
 
 def main(argv=None) -> None:
@@ -881,11 +937,18 @@ def main(argv=None) -> None:
     files = args.files or sorted((runtime.workspace() / UNSENT).glob("*.jsonl"))
     if not files:
         print("nothing to send")
+    failed = []
     for path in files:
         problem = server_problem(json.loads(path.read_bytes().split(b"\n", 1)[0])["uri"])
-        if problem:
-            raise UserError(f"the tracking server of {path} does not answer ({problem}); try again once it does")
-        resend(path)
+        try:
+            if problem:
+                raise UserError(f"the tracking server of {path} does not answer ({problem}); try again once it does")
+            resend(path)
+        except (UserError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            failed.append(path)
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
