@@ -1,6 +1,6 @@
 """A tracking server lost in the middle of a stage: training never waits on it.
 
-A real `mlflow server` behind a TCP proxy that the test switches (tests/test_tracking_lost.py: Proxy):
+A real `mlflow server` behind a TCP proxy that the test switches (Proxy), in make test-system:
   - `hang`: it accepts and never answers (the requests in flight too), then answers again while the stage
     still trains: one warning naming the server within seconds, "answers again", and every step's metrics
     on the server in the end, none lost;
@@ -8,6 +8,7 @@ A real `mlflow server` behind a TCP proxy that the test switches (tests/test_tra
     after PIPELINE_TRACKING_FLUSH_S, naming the file that keeps its records; `python -m
     stages.common.track resend` sends them once the server is back: every step, the artifacts, the model
     version it could not register, the run FINISHED.
+In make test, on the SQLite store: what a killed stage kept is sent once, from where it stopped.
 """
 
 from __future__ import annotations
@@ -145,17 +146,30 @@ def stage_run(client, since_ms: int):
     return runs[0] if runs and runs[0].info.start_time >= since_ms else None
 
 
-def test_a_server_that_hangs_then_returns_loses_nothing_and_holds_nothing_up(tokenized, server):
+@contextlib.contextmanager
+def training_beside(tokenized: Path, server: int, out: str, steps: list[str]):
+    """A pretrain stage writing `out`, tracked through a Proxy to the server, once its run has metrics
+    there: yields (client, proxy, log, process, run); the process is killed if the test leaves it running."""
     import mlflow
 
     client = mlflow.MlflowClient(f"http://127.0.0.1:{server}")
     proxy = Proxy(server)
-    log = tokenized / "lost-hang.log"
+    log = tokenized / f"{out}.log"
     since = int(time.time() * 1000)
-    proc = stage(tokenized, "lost-hang", proxy, LONG_STEPS)
+    proc = stage(tokenized, out, proxy, steps)
     try:
         run = wait_for("the stage's run on the server", lambda: stage_run(client, since), proc, log)
         wait_for("its first metrics", lambda: steps_logged(client, run.info.run_id), proc, log)
+        yield client, proxy, log, proc, run
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.long  # (make test-system: a minute each of a stage beside a real server)
+def test_a_server_that_hangs_then_returns_loses_nothing_and_holds_nothing_up(tokenized, server):
+    with training_beside(tokenized, server, "lost-hang", LONG_STEPS) as (client, proxy, log, proc, run):
         proxy.set("hang")
         hung_at = time.monotonic()
         wait_for("the warning", lambda: "is not taking this run's records" in log.read_text(), proc, log, 60)
@@ -165,10 +179,6 @@ def test_a_server_that_hangs_then_returns_loses_nothing_and_holds_nothing_up(tok
         wait_for("the return", lambda: "answers again" in log.read_text(), proc, log, 120)
         proc.send_signal(signal.SIGTERM)  # the stage stops (its run KILLED) after sending what it kept
         assert proc.wait(120) == 143, log.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     logged = steps_logged(client, run.info.run_id)
     assert logged == list(range(1, len(logged) + 1)) and len(logged) > 10, f"steps lost: {logged[:20]}..."
     assert client.get_run(run.info.run_id).info.status == "KILLED"
@@ -176,23 +186,11 @@ def test_a_server_that_hangs_then_returns_loses_nothing_and_holds_nothing_up(tok
     print(f"warned {warned_after:.1f} s after the server hung; {len(logged)} steps on the server")
 
 
+@pytest.mark.long
 def test_a_server_lost_until_the_end_gets_the_records_later(tokenized, server):
-    import mlflow
-
-    client = mlflow.MlflowClient(f"http://127.0.0.1:{server}")
-    proxy = Proxy(server)
-    log = tokenized / "lost-refuse.log"
-    since = int(time.time() * 1000)
-    proc = stage(tokenized, "lost-refuse", proxy, SHORT_STEPS)
-    try:
-        run = wait_for("the stage's run on the server", lambda: stage_run(client, since), proc, log)
-        wait_for("its first metrics", lambda: steps_logged(client, run.info.run_id), proc, log)
+    with training_beside(tokenized, server, "lost-refuse", SHORT_STEPS) as (client, proxy, log, proc, run):
         proxy.set("refuse")
         assert proc.wait(600) == 0, log.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     lines = log.read_text()
     assert "is not taking this run's records" in lines and "did not reach" in lines, lines[-3000:]
     assert "the model version(s) are registered when the run's kept records are sent" in lines
