@@ -14,7 +14,15 @@ model's own tokenizer (`--text`). Writes to `--output`:
     plots/perplexity_vs_context.png     token perplexity against context length, one line per model
     plots/perplexity/<model>.csv        context, perplexity (DVC plots)
 
-Windows: the model reads ids[b : b + context] and predicts ids[b + 1 : b + context + 1]; window k
+Protocols (`protocol`): `stream` (the default) scores the split as one token stream, as below;
+`wikitext` scores a raw WikiText file (`--text .../wiki.test.raw`) as lm-evaluation-harness's `wikitext`
+task does (stages/common/wikitext.py): one document per article, detokenized, tokenized by each model's
+tokenizer with its default special tokens, each document after a prefix token (bos, else eos) in
+non-overlapping windows of the context (`contexts` play the harness's `max_length`), the last window of a
+document reaching back a full context; word perplexity, byte perplexity and bits per byte count the
+words and bytes of the raw documents. Its figures equal the harness's (tests/test_harness_parity.py).
+
+Windows (`stream`): the model reads ids[b : b + context] and predicts ids[b + 1 : b + context + 1]; window k
 starts at b = k * stride, and only targets no earlier window scored are counted. Every token but the
 first of the stream is scored exactly once (`stride == context`: non-overlapping windows); after the
 first window each scored token sees at least `context - stride + 1` tokens. The last window is
@@ -58,7 +66,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages.common import atomic, config, hf_folder, registry, runtime, shards, stage, track, watchdog
+from stages.common import atomic, config, hf_folder, registry, runtime, shards, stage, track, watchdog, wikitext
 
 STAGE = "eval_perplexity"
 METRICS = ("nll", "perplexity", "bits_per_byte", "byte_perplexity", "word_perplexity", "tokens")
@@ -75,6 +83,8 @@ class Config:
     max_tokens: int
     prepend_bos: bool
     precision: str
+    protocol: str = "stream"  # stream | wikitext (see the module docstring)
+    max_documents: int = 0  # wikitext: evaluate the first N documents (0 = all), like the harness's --limit
     # A rank without a finished batch for this long (or 10 median batches, whichever is longer) ends the
     # stage, naming it (stages.common.watchdog), instead of the others waiting out the collective timeout.
     hang_timeout_s: float = 300.0
@@ -92,8 +102,17 @@ class Config:
                 f"stride must be between 1 and the smallest context ({min(self.contexts)}), got "
                 f"{self.stride}; null gives non-overlapping windows"
             )
-        if self.batch_size < 1 or self.max_tokens < 0:
-            raise ValueError("batch_size must be >= 1 and max_tokens >= 0 (0 = the whole split)")
+        if self.batch_size < 1 or self.max_tokens < 0 or self.max_documents < 0:
+            raise ValueError("batch_size must be >= 1, max_tokens and max_documents >= 0 (0 = the whole split)")
+        if self.protocol not in ("stream", "wikitext"):
+            raise ValueError(f"protocol must be stream or wikitext, got {self.protocol!r}")
+        if self.protocol == "wikitext" and (self.stride is not None or self.max_tokens):
+            raise ValueError(
+                "protocol wikitext scores whole documents in non-overlapping windows, as the harness does: "
+                "set stride: null and max_tokens: 0 (max_documents N evaluates the first N documents)"
+            )
+        if self.protocol == "stream" and self.max_documents:
+            raise ValueError("max_documents applies to protocol wikitext; use max_tokens with protocol stream")
         edges = self.position_buckets
         if any(e < 1 for e in edges) or list(edges) != sorted(set(edges)):
             raise ValueError(f"position_buckets must be increasing positive ints, got {list(edges)}")
@@ -129,9 +148,19 @@ class Tokens:
 
 @dataclass(frozen=True)
 class Stream:
-    ids: Tokens
+    """What a model is scored on. `documents` (protocol wikitext): (start, n) per document, whose prefix
+    token is ids[start] and its n tokens follow; None: ids is one stream (protocol stream)."""
+
+    ids: Tokens | np.ndarray
     bytes: int
     words: int
+    documents: tuple[tuple[int, int], ...] | None = None
+
+    def windows(self, context: int, stride: int) -> list[tuple[int, int, int]]:
+        """The windows to score, as plan_windows gives them."""
+        if self.documents is None:
+            return plan_windows(len(self.ids), context, stride)
+        return [w for start, n in self.documents for w in document_windows(start, n, context)]
 
 
 def parse_models(items: list[str]) -> list[ModelSpec]:
@@ -233,11 +262,45 @@ def text_stream(path: Path, tok, cfg: Config) -> Stream:
     return make_stream(ids, tok, (len(text.encode("utf-8")), len(text.split())), cfg, bos)
 
 
+def wikitext_stream(docs: list[str], tok, label: str) -> Stream:
+    """Each document detokenized and tokenized as the harness's hf model does, after the prefix token."""
+    prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    if prefix is None:
+        raise config.UserError(
+            f"eval_perplexity: model '{label}''s tokenizer has no bos or eos token to start each document with "
+            f"(protocol wikitext); evaluate it with protocol: stream"
+        )
+    pieces, spans, start = [], [], 0
+    for doc in docs:
+        ids = tok(wikitext.detokenize(doc))["input_ids"]
+        pieces.append(np.asarray([prefix, *ids], dtype=np.int64))
+        spans.append((start, len(ids)))
+        start += len(ids) + 1
+    words, n_bytes = (sum(c) for c in zip(*map(wikitext.counts, docs), strict=True))
+    return Stream(np.concatenate(pieces), n_bytes, words, tuple(spans))
+
+
+def read_documents(path: Path, cfg: Config) -> list[str]:
+    try:
+        docs = wikitext.documents(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise config.UserError(
+            f"eval_perplexity: --text {path}: {e}; protocol wikitext reads a raw WikiText split"
+        ) from None
+    return docs[: cfg.max_documents] if cfg.max_documents else docs
+
+
 def prepare(specs: list[ModelSpec], cfg: Config, shards_dir: Path, text: Path | None) -> dict[str, Stream]:
     """Every check that needs no weights: files, context limits, vocabularies, split length."""
     model_configs = [check_checkpoint(spec) for spec in specs]
     if text is not None and not text.is_file():
         raise config.UserError(f"eval_perplexity: --text {text} not found")
+    if cfg.protocol == "wikitext" and text is None:
+        raise config.UserError(
+            "eval_perplexity: protocol wikitext evaluates a raw WikiText split; pass --text FILE "
+            "(e.g. wikitext-2-raw/wiki.test.raw)"
+        )
+    docs = read_documents(text, cfg) if cfg.protocol == "wikitext" else None
     shared, shared_tok = shard_stream(shards_dir, cfg) if text is None else (None, None)
     streams = {}
     for spec, mcfg in zip(specs, model_configs, strict=True):
@@ -258,14 +321,20 @@ def prepare(specs: list[ModelSpec], cfg: Config, shards_dir: Path, text: Path | 
                 f"eval_perplexity: model '{spec.label}' has a different tokenizer from "
                 f"{shards_dir}/tokenizer; evaluate it with --text or its own shards"
             )
-        stream = shared if text is None else text_stream(text, tok, cfg)
+        if docs is not None:
+            stream = wikitext_stream(docs, tok, spec.label)
+        else:
+            stream = shared if text is None else text_stream(text, tok, cfg)
         vocab = len(shared_tok if text is None else tok)
         if vocab > mcfg.vocab_size:  # every id is below the tokenizer's vocab
             raise config.UserError(
                 f"eval_perplexity: tokenizer vocab ({vocab} ids) does not fit model '{spec.label}' "
                 f"(config.vocab_size {mcfg.vocab_size}); use the tokenizer the model was trained with"
             )
-        if len(stream.ids) <= max(cfg.contexts):
+        if docs is not None:
+            if len(stream.ids) == len(docs):
+                raise config.UserError(f"eval_perplexity: --text {text}: the documents hold no tokens to score")
+        elif len(stream.ids) <= max(cfg.contexts):
             raise config.UserError(
                 f"eval_perplexity: the split has {len(stream.ids)} tokens, fewer than one window of "
                 f"context {max(cfg.contexts)} plus its next token; lower eval_perplexity.contexts, "
@@ -287,6 +356,19 @@ def plan_windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, in
         scored_to, begin = end, begin + stride
 
 
+def document_windows(start: int, n: int, context: int) -> list[tuple[int, int, int]]:
+    """plan_windows' (begin, length, first) for a document of n tokens after its prefix token at ids[start],
+    as the harness rolls them: window k scores tokens [k*context, min((k+1)*context, n)) of the document,
+    reading the `context` ids before each (fewer in the first window); the last window reads a full
+    context even where it overlaps the one before, and scores only its new tokens."""
+    windows = []
+    for a in range(0, n, context):
+        b = min(a + context, n)
+        length = min(context, b)
+        windows.append((start + b - length, length, length - (b - a)))
+    return windows
+
+
 def batches(windows: list, size: int):
     """Runs of at most `size` consecutive windows of equal length (only the last window is shorter)."""
     batch = []
@@ -301,11 +383,11 @@ def batches(windows: list, size: int):
 
 @torch.inference_mode()
 def evaluate(
-    model, ids: Tokens, context: int, stride: int, batch_size: int, rt: runtime.Runtime, watch=None, what: str = ""
+    model, stream: Stream, context: int, stride: int, batch_size: int, rt: runtime.Runtime, watch=None, what: str = ""
 ) -> torch.Tensor:
     """(2, context) float64: NLL sum and scored-token count per prediction position, summed over ranks.
     Each batch is a beat of `watch` (a watchdog.Watchdog; `what` names the model and context)."""
-    plan = plan_windows(len(ids), context, stride)
+    ids, plan = stream.ids, stream.windows(context, stride)
     mine = plan[rt.rank * len(plan) // rt.world_size : (rt.rank + 1) * len(plan) // rt.world_size]
     sums = torch.zeros(2, context, dtype=torch.float64, device=rt.device)
     mine_batches = list(batches(mine, batch_size))
@@ -433,7 +515,9 @@ def write_outputs(metrics: dict, folder: Path) -> None:
 
 def run(specs, streams, cfg: Config, output: Path, measured: Path, rt: runtime.Runtime, tracker: track.Tracker) -> dict:
     first = next(iter(streams.values()))
-    metrics = {"bytes": first.bytes, "words": first.words, "models": {}}
+    metrics = {"protocol": cfg.protocol, "bytes": first.bytes, "words": first.words, "models": {}}
+    if first.documents is not None:
+        metrics["documents"] = len(first.documents)
     speed = {}  # {model: {ctx<n>: tokens/s}}: measured, outside the output
     dtype = runtime.compute_dtype(rt.device, cfg.precision)
     runtime.warn_if_emulated_bf16(rt.device, dtype, rt)
@@ -448,7 +532,7 @@ def run(specs, streams, cfg: Config, output: Path, measured: Path, rt: runtime.R
                 runtime.barrier()
                 t0 = time.perf_counter()
                 what = f"{spec.label}, context {context}"
-                sums = evaluate(model, stream.ids, context, stride, cfg.batch_size, rt, watch, what).cpu()
+                sums = evaluate(model, stream, context, stride, cfg.batch_size, rt, watch, what).cpu()
                 seconds = time.perf_counter() - t0
                 tokens = int(sums[1].sum().item())
                 tokens_per_s = tokens / max(seconds, 1e-9)

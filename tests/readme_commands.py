@@ -128,6 +128,13 @@ HOW: dict[str, tuple[str, str]] = {
     "data/eval_perplexity/compare contexts=[256,512,1024] extrapolate=true": ("run", ""),
     "torchrun --nproc-per-node 2 -m stages.eval_perplexity --models pretrain=data/pretrain/model --text notes.txt "
     "--output data/eval_perplexity/notes": ("check", "with a notes.txt"),
+    "python -m stages.eval_perplexity --models pretrain=data/pretrain/model --text "
+    "$PIPELINE_DATA_MIRROR/wikitext-2-raw/wiki.test.raw --output data/eval_perplexity/wikitext protocol=wikitext "
+    "contexts=[256] max_tokens=0": ("check", "the mirror's WikiText-2 test split"),
+    "lm_eval --model hf --model_args pretrained=data/pretrain/model,dtype=float32 --tasks wikitext --device cpu": (
+        "marked",
+        "network: the task's dataset is on the hub (tests/test_harness_parity.py runs the task on the mirror's copy)",
+    ),
     "make test-system": ("marked", "root: CI runs it after make test"),
     'python -m pytest tests --ignore=tests/system -m "not e2e"': ("marked", "the test suite itself"),
     "make bench": ("marked", "long: the benchmarks (minutes each)"),

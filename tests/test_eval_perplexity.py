@@ -369,6 +369,14 @@ def broken(assets):
         (["split=val"], "no split 'val'"),
         (["--input", "broken/no_tokenizer"], "eval_perplexity: no tokenizer in broken/no_tokenizer/tokenizer"),
         (["contexts=[64,32]"], "eval_perplexity.contexts must be a non-empty list of increasing positive ints"),
+        (["protocol=wikitext", "max_tokens=0"], "protocol wikitext evaluates a raw WikiText split; pass --text FILE"),
+        (["protocol=wikitext", "stride=32"], "protocol wikitext scores whole documents in non-overlapping windows"),
+        (
+            ["protocol=wikitext", "max_tokens=0", "--text", "eval.txt"],
+            "--text eval.txt: no line is a top-level WikiText heading",
+        ),
+        (["max_documents=3", "max_tokens=0"], "max_documents applies to protocol wikitext; use max_tokens"),
+        (["protocol=harness"], "eval_perplexity.protocol must be stream or wikitext, got 'harness'"),
     ],
 )
 def test_clear_errors_before_any_compute(in_root, broken, args, message):
@@ -389,6 +397,17 @@ def test_windows_score_every_token_once():
         assert sorted(targets) == list(range(1, n)), (n, context, stride)
         assert all(length == context for _, length, _ in plan[:-1])
         assert [first for _, _, first in plan[1:-1]] == [context - stride] * (len(plan) - 2)
+
+
+def test_document_windows_score_each_token_of_a_document_once_after_a_full_context():
+    for n, context in ((0, 4), (3, 4), (4, 4), (5, 4), (9, 4), (100, 16)):
+        start = 7  # the document's prefix token is ids[7], its tokens ids[8 : 8 + n]
+        plan = eval_perplexity.document_windows(start, n, context)
+        targets = [b + 1 + j for b, length, first in plan for j in range(first, length)]
+        assert sorted(targets) == list(range(start + 1, start + 1 + n)), (n, context)
+        assert all(b >= start and b + length <= start + n for b, length, _ in plan), "inside the document"
+        assert all(length == min(context, n) for _, length, _ in plan), "a full context wherever there is one"
+        assert len(plan) == -(-n // context)
 
 
 def test_a_rank_that_stops_in_an_evaluation_ends_the_stage_naming_it(shard_run, assets, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import importlib
 import io
+import os
 import re
 import shlex
 
@@ -22,8 +23,9 @@ pytestmark = pytest.mark.e2e
 def check(command: str) -> None:
     """A stage command with `--check`, as one process runs it (`torchrun ... -m` as `python -m`), in this
     process: the stage's main parses the command line and loads its params section, exactly as
-    `python -m stages.<name> ... --check` does, without a new interpreter importing torch again."""
-    argv = shlex.split(re.sub(r"^torchrun --nproc-per-node \d+ ", "python ", command))
+    `python -m stages.<name> ... --check` does (with the shell's $VARIABLES expanded), without a new
+    interpreter importing torch again."""
+    argv = [os.path.expandvars(a) for a in shlex.split(re.sub(r"^torchrun --nproc-per-node \d+ ", "python ", command))]
     assert argv[:2] == ["python", "-m"] and argv[2].startswith("stages."), command
     with pytest.raises(SystemExit) as done:
         importlib.import_module(argv[2]).main([*argv[3:], "--check"])
