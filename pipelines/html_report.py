@@ -33,6 +33,8 @@ code { font-size: 0.9em; }
 
 
 def cell(value) -> str:
+    if value is None:
+        return "<td></td>"
     if isinstance(value, bool):
         return f'<td class="{"pass" if value else "fail"}">{"PASS" if value else "FAIL"}</td>'
     if isinstance(value, float):
@@ -48,6 +50,21 @@ def cell(value) -> str:
             + "</td>"
         )
     return f"<td>{html.escape(str(value))}</td>"
+
+
+def spread_text(spread: dict | None) -> str | None:
+    """A row's spread in words: our runs, the paper's, the rule, what was assumed."""
+    if not spread:
+        return None
+    sd = lambda v: f" sd {v:.4g}" if v is not None else ""  # noqa: E731
+    text = (
+        f"ours: {spread['n']} runs{sd(spread['sd'])}; paper: {spread['published_n']} runs{sd(spread['published_sd'])}"
+    )
+    return text + f"; {spread['rule']}" + (f" ({spread['assumed']})" if spread.get("assumed") else "")
+
+
+def row_values(row: dict, fields: list[str]) -> list:
+    return [spread_text(row.get(f)) if f == "spread" else row.get(f, "") for f in fields]
 
 
 def table(header: list[str], rows: list[list]) -> str:
@@ -69,7 +86,7 @@ def render(results: dict, root: Path) -> str:
     parts = [
         "<h1>Pipeline results</h1>",
         "<h2>Reproduced results</h2>",
-        table(fields, [[row.get(f, "") for f in fields] for row in results["rows"]])
+        table(fields, [row_values(row, fields) for row in results["rows"]])
         if results["rows"]
         else "<p>No stage reproduced a published result in this run.</p>",
         "<h2>Stage metrics</h2>",
@@ -102,7 +119,7 @@ def measured_parts(results: dict, root: Path) -> list[str]:
         f"so they live outside the outputs, in <code>{html.escape(results['measured'])}</code>.</p>",
     ]
     if measured["rows"]:
-        parts.append(table(fields, [[row.get(f, "") for f in fields] for row in measured["rows"]]))
+        parts.append(table(fields, [row_values(row, fields) for row in measured["rows"]]))
     for stage, figures in measured["stages"].items():
         parts += [f"<h3>{html.escape(stage)}</h3>", table(["figure", "value"], sorted(flatten(figures).items()))]
     parts += [image(root / p) for p in measured["plots"] if (root / p).is_file()]

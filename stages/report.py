@@ -16,11 +16,26 @@ Each stage's output folder may hold
                                findings that are bounds rather than figures
                      data      names of the raw files the row depends on (keys of prepare_data's
                                meta.json `files`)
+                     spread    for figures that are means over runs (seeds): {"n", "sd", "published_n",
+                               "published_sd"} (published_sd null where the paper gives none); the row
+                               then passes by the spread rule below, and `tolerance` is the fallback
+                               used only where no spread can be estimated
     plots/*.png    figures, linked from the report
 
 Every row of the report has one schema (ROW_FIELDS): result, paper, relation, published figure,
-ours, tolerance, pass (ours against published under the relation), stage, data hashes. (The commit
-that made the outputs is in each stage's MLflow run and its registered models' lineage.)
+ours, tolerance, pass (ours against published under the relation), stage, data hashes, spread. (The
+commit that made the outputs is in each stage's MLflow run and its registered models' lineage.)
+
+Spread rule (SPREAD_RULE): a mean over our n runs with standard deviation sd, against a paper's mean over
+its n_p runs with deviation sd_p, passes when |ours - published| <= t * sqrt(sd^2/n + sd_p^2/n_p), t the
+99.5% quantile of Student's t with the Welch-Satterthwaite degrees of freedom: Welch's two-sided test at
+the 1% level, whether the two means could come from one distribution of runs, without assuming equal
+spreads or run counts. A faithful reproduction fails one report in a hundred; few seeds give a wide
+tolerance (t grows as the degrees of freedom fall), never a false failure from noise alone. Where the
+paper gives no deviation its runs are assumed to spread as ours do (the spread is the method's, under
+the same protocol); with one run of ours, ours is assumed to spread as the paper's; with neither, the
+row's fixed tolerance applies. The row says which (`spread.assumed`). The rule covers run-to-run noise
+only: a systematic difference between implementations fails it, as it should.
 A stage run once per item (data/<stage>/<item>, e.g. finetune_qlora/nf4 and finetune_qlora/none)
 also gets a comparison table: the metrics its items share, one column per item.
 
@@ -61,7 +76,10 @@ ROW_FIELDS = (
     "pass",
     "stage",
     "data_hashes",
+    "spread",
 )
+SPREAD_RULE = "Welch t, 1% two-sided"
+SPREAD_KEYS = ("n", "sd", "published_n", "published_sd")
 ROW_INPUT_FIELDS = ("result", "paper", "published", "ours", "tolerance")
 RELATIONS = {
     "=": lambda ours, published, tol: abs(ours - published) <= tol,
@@ -99,6 +117,33 @@ def read_rows(folder: Path, label: str, data_files: dict) -> list[dict]:
     return check_rows(json.loads(path.read_text()), path, label, data_files)
 
 
+def spread_tolerance(spread: dict, fallback: float, where: str) -> tuple[float, dict]:
+    """(tolerance, the row's spread with its rule and assumptions) for a figure that is a mean over runs."""
+    if not isinstance(spread, dict) or set(spread) != set(SPREAD_KEYS):
+        raise config.UserError(f"{where}: spread must hold exactly {', '.join(SPREAD_KEYS)}")
+    n, sd, pn, psd = (spread[k] for k in SPREAD_KEYS)
+    counts_ok = all(isinstance(v, int) and v >= 1 for v in (n, pn)) and (n < 2 or sd is not None)
+    if not counts_ok or any(v is not None and not (isinstance(v, (int, float)) and v >= 0) for v in (sd, psd)):
+        raise config.UserError(f"{where}: spread needs run counts >= 1 and deviations >= 0 (or null), got {spread}")
+    if n < 2 and (psd is None or pn < 2):
+        return fallback, {**spread, "rule": "fixed tolerance", "assumed": "no spread on either side"}
+    assumed = None
+    if n < 2:
+        sd, assumed = psd, "our sd taken as the paper's (one run of ours)"
+    elif psd is None:
+        psd, assumed = sd, "published sd taken as ours (the paper gives none)"
+    from scipy.stats import t
+
+    a, b = sd**2 / n, psd**2 / pn
+    if a + b == 0:
+        return 0.0, {**spread, "rule": SPREAD_RULE, "assumed": assumed}
+    # Welch-Satterthwaite degrees of freedom (a side of one run adds no term)
+    terms = (a**2 / (n - 1) if n > 1 else 0.0) + (b**2 / (pn - 1) if pn > 1 else 0.0)
+    dof = (a + b) ** 2 / terms if terms else math.inf
+    tolerance = float(t.ppf(0.995, dof) * math.sqrt(a + b))
+    return round(tolerance, 4), {**spread, "rule": SPREAD_RULE, "assumed": assumed}
+
+
 def check_rows(rows: list[dict], path: Path, label: str, data_files: dict) -> list[dict]:
     """Rows of `path` in the report's schema, each with its verdict."""
     out = []
@@ -112,6 +157,11 @@ def check_rows(rows: list[dict], path: Path, label: str, data_files: dict) -> li
         relation = row.get("relation", "=")
         if relation not in RELATIONS:
             raise config.UserError(f"{path}: row {i} has relation {relation!r}; use one of {', '.join(RELATIONS)}")
+        spread = row.get("spread")
+        if spread is not None:
+            if relation != "=":
+                raise config.UserError(f"{path}: row {i} has a spread and relation {relation!r}; spreads test '='")
+            tol, spread = spread_tolerance(spread, tol, f"{path}: row {i}")
         numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ours, published, tol))
         passed = bool(math.isfinite(ours) and RELATIONS[relation](ours, published, tol)) if numeric else None
         hashes = {name: data_files[name] for name in row.get("data", ()) if name in data_files}
@@ -121,6 +171,8 @@ def check_rows(rows: list[dict], path: Path, label: str, data_files: dict) -> li
             "pass": passed,
             "stage": label,
             "data_hashes": hashes,
+            "tolerance": tol,
+            "spread": spread,
         }
         out.append({k: values[k] for k in ROW_FIELDS})
     return out
@@ -139,6 +191,29 @@ def fmt(value, verdict: bool = False) -> str:
     return str(value)
 
 
+TABLE_FIELDS = tuple(f for f in ROW_FIELDS if f != "spread")  # the spread is written into its row's cells
+
+
+def row_cells(row: dict) -> str:
+    """A row of the markdown table: with a spread, ours and published as mean ± sd (n runs) and the
+    tolerance with its rule; an assumed deviation is starred."""
+    cells = {k: fmt(row[k], k == "pass") for k in TABLE_FIELDS}
+    spread = row.get("spread")
+    if spread:
+
+        def pm(mean, sd, n, assumed):
+            return (
+                f"{fmt(mean)} ± {fmt(sd)}{'*' if assumed else ''} (n={n})" if sd is not None else f"{fmt(mean)} (n={n})"
+            )
+
+        assumed = spread["assumed"] or ""
+        cells["ours"] = pm(row["ours"], spread["sd"], spread["n"], False)
+        published_sd = spread["published_sd"] if spread["published_sd"] is not None else spread["sd"]
+        cells["published"] = pm(row["published"], published_sd, spread["published_n"], assumed.startswith("published"))
+        cells["tolerance"] = f"{fmt(row['tolerance'])} ({spread['rule']})"
+    return "| " + " | ".join(cells.values()) + " |"
+
+
 def render_markdown(doc: dict) -> str:
     lines = ["# Results", ""]
     if doc.get("measured"):
@@ -150,14 +225,20 @@ def render_markdown(doc: dict) -> str:
     lines += [
         "## Reproduced results",
         "",
-        "| " + " | ".join(ROW_FIELDS) + " |",
-        "|" + "---|" * len(ROW_FIELDS),
+        "| " + " | ".join(TABLE_FIELDS) + " |",
+        "|" + "---|" * len(TABLE_FIELDS),
     ]
-    for row in doc["rows"]:
-        lines.append("| " + " | ".join(fmt(row[k], k == "pass") for k in ROW_FIELDS) + " |")
+    lines += [row_cells(row) for row in doc["rows"]]
     if not doc["rows"]:
-        lines.append("| " + " | ".join(["-"] * len(ROW_FIELDS)) + " |")
+        lines.append("| " + " | ".join(["-"] * len(TABLE_FIELDS)) + " |")
         lines += ["", "_No stage of this pipeline reproduces a published result yet._"]
+    if any(row["spread"] for row in doc["rows"]):
+        lines += [
+            "",
+            f"Rows with ± are means over runs; they pass by {SPREAD_RULE} (Welch's test whether both means could "
+            "come from one distribution of runs: |ours − published| ≤ t · √(sd²/n + sd_p²/n_p)); a starred "
+            "deviation is assumed (the paper gives none: its runs are taken to spread as ours).",
+        ]
     reg = doc.get("regression")
     if reg is not None and reg["source"]:
         lines += ["", "## Regression against a recorded run", ""]
@@ -166,10 +247,10 @@ def render_markdown(doc: dict) -> str:
                 f"Our perplexities against those recorded under the same params (fingerprint `{reg['params']}`, "
                 f"recorded {reg['recorded']}).",
                 "",
-                "| " + " | ".join(ROW_FIELDS) + " |",
-                "|" + "---|" * len(ROW_FIELDS),
+                "| " + " | ".join(TABLE_FIELDS) + " |",
+                "|" + "---|" * len(TABLE_FIELDS),
             ]
-            lines += ["| " + " | ".join(fmt(row[k], k == "pass") for k in ROW_FIELDS) + " |" for row in reg["rows"]]
+            lines += [row_cells(row) for row in reg["rows"]]
         else:
             lines.append(
                 f"_No recorded perplexities for these params (fingerprint `{reg['params']}`); "
@@ -326,6 +407,7 @@ def regression(stage_metrics: dict, params: dict, cfg: Config) -> dict:
                             "pass": got is not None and math.isfinite(got) and abs(got - value) <= tol,
                             "stage": label,
                             "data_hashes": {},
+                            "spread": None,
                         }
                     )
                     subjects.append(evaluated_model(label, model))

@@ -67,15 +67,14 @@ def test_every_technique_is_measured_and_the_rows_follow_the_table(tokenized, tm
     assert measured["output"] == str(folder) and len(measured["table"]) == 4
     assert measured["techniques"]["baseline"]["peak_mb"] == round(base["peak_mb"], 1)
     rows = measured["rows"]
-    assert [r["result"].split(":")[0] for r in rows] == [
-        "full activation checkpointing",
-        "selective activation checkpointing",
-        "selective activation checkpointing",
+    assert [r["result"] for r in rows] == [
+        "full activation checkpointing: peak saved / activation memory at context 256",
+        "selective activation checkpointing: peak memory between none (0) and full (1)",
     ]
-    # speed on a CPU: tokens per second of the process's CPU time, which other jobs on the machine hardly move
-    assert "tokens per CPU second" in rows[2]["result"]
-    cpu = [table[n, 256]["tokens_per_cpu_s"] for n in ("baseline", "ac_full", "ac_selective")]
-    assert rows[2]["ours"] == round((cpu[0] - cpu[2]) / (cpu[0] - cpu[1]), 4)
+    peak = [table[n, 256]["peak_mb"] for n in ("baseline", "ac_full", "ac_selective")]
+    assert rows[1]["ours"] == round((peak[0] - peak[2]) / (peak[0] - peak[1]), 4)
+    # speed is a measured figure, not a row: on a CPU, tokens per second of the process's CPU time
+    assert measured["techniques"]["ac_selective"]["tokens_per_cpu_s"] > 0
     assert (tmp_path / "ms.measured.png").stat().st_size > 0 and not (folder / "plots").exists()
 
 
@@ -106,8 +105,10 @@ def test_the_rows_and_figures_follow_the_longest_context(tokenized, tmp_path):
     measured = memory_study.write_measured(tmp_path / "m.json", tmp_path / "out", cfg, table)
     assert measured["context"] == 256 and measured["techniques"]["baseline"]["peak_mb"] == 100.0
     assert len(measured["table"]) == 8
-    # full: (100 - 60) / 50 of activations; selective between none and full: (100 - 80) / (100 - 60)
-    assert [r["ours"] for r in measured["rows"]] == [0.8, 0.5, 0.5]
+    # full: (100 - 60) / 50 of activations; selective between none and full: (100 - 80) / (100 - 60); speed
+    # (selective at 850 tokens per CPU s between 1000 and 700) is a figure only
+    assert [r["ours"] for r in measured["rows"]] == [0.8, 0.5]
+    assert measured["techniques"]["ac_selective"]["tokens_per_cpu_s"] == 850
 
 
 @pytest.mark.parametrize(

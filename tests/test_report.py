@@ -101,10 +101,52 @@ def test_strict_fails_on_a_row_outside_tolerance_but_still_writes(tree):
     assert (tree / "reports/results.md").is_file()
 
 
+def spread_row(result, published, ours, n, sd, published_sd, published_n=100, tolerance=1.0):
+    spread = {"n": n, "sd": sd, "published_n": published_n, "published_sd": published_sd}
+    return {
+        "result": result,
+        "paper": "p",
+        "published": published,
+        "ours": ours,
+        "tolerance": tolerance,
+        "spread": spread,
+    }
+
+
+def test_means_over_runs_pass_by_welch_s_test_on_both_spreads(tree):
+    """Equal runs and deviations (5 runs, sd 1 on both sides): a + b = 0.4, Welch-Satterthwaite gives 8
+    degrees of freedom, t(0.995, 8) = 3.3554 (tables), so the tolerance is 3.3554 * sqrt(0.4) = 2.1221."""
+    rows = [
+        spread_row("equal spreads, inside", 80.0, 82.1, 5, 1.0, 1.0, published_n=5),
+        spread_row("equal spreads, outside", 80.0, 82.2, 5, 1.0, 1.0, published_n=5),
+        spread_row("paper without sd", 81.5, 81.84, 10, 0.5816, None),
+        spread_row("one run of ours", 83.0, 82.0, 1, None, 0.7),
+        spread_row("no spread anywhere", 81.5, 82.4, 1, None, None, tolerance=1.0),
+    ]
+    stage_folder(tree, "gnn_spread", rows=rows)
+    doc = report.main(["--output", "reports", "--inputs", "data/gnn_spread"])
+    got = {r["result"]: r for r in doc["rows"]}
+    assert got["equal spreads, inside"]["tolerance"] == pytest.approx(3.3554 * 0.4**0.5, abs=2e-4)
+    assert [got[k]["pass"] for k in ("equal spreads, inside", "equal spreads, outside")] == [True, False]
+    assumed = got["paper without sd"]["spread"]
+    assert assumed["assumed"].startswith("published sd taken as ours") and assumed["rule"] == report.SPREAD_RULE
+    # both sides 0.5816: a = 0.0338, b = 0.00338, about 11 degrees of freedom: t(0.995, 11) = 3.1058
+    assert got["paper without sd"]["tolerance"] == pytest.approx(3.1058 * (0.5816**2 * 0.11) ** 0.5, rel=0.01)
+    assert got["one run of ours"]["spread"]["assumed"].startswith("our sd taken as the paper's")
+    assert got["one run of ours"]["pass"] is True  # 1.0 from 83.0; one run spread 0.7 gives a wide tolerance
+    fixed = got["no spread anywhere"]
+    assert (fixed["tolerance"], fixed["spread"]["rule"], fixed["pass"]) == (1.0, "fixed tolerance", True)
+    md = (tree / "reports/results.md").read_text()
+    assert "| 81.5 ± 0.5816* (n=100) | 81.84 ± 0.5816 (n=10) |" in md and "Welch" in md
+    stage_folder(tree, "bad_spread", rows=[{**rows[0], "spread": {"n": 5, "sd": 1.0}}])
+    with pytest.raises(config.UserError, match="row 0: spread must hold exactly n, sd, published_n, published_sd"):
+        report.main(["--output", "reports", "--inputs", "data/bad_spread"])
+
+
 def test_schema_is_there_without_any_result(tree):
     doc = report.main(["--output", "reports", "--inputs", "data/prepare_data"])
     md = (tree / "reports/results.md").read_text()
-    assert doc["rows"] == [] and "| " + " | ".join(report.ROW_FIELDS) + " |" in md
+    assert doc["rows"] == [] and "| " + " | ".join(report.TABLE_FIELDS) + " |" in md
     assert "No stage of this pipeline reproduces a published result yet" in md
 
 

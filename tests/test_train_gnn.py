@@ -107,6 +107,8 @@ def test_metrics_report_rows_plot_and_mlflow_curves(trained, prepared):
     rows = json.loads((out / "results.json").read_text())
     files = json.loads((prepared / "data/prepare_data/meta.json").read_text())["files"]
     assert [(r["published"], r["tolerance"]) for r in rows] == [(81.5, 1.0), (83.0, 1.0)]
+    spreads = [(r["spread"]["n"], r["spread"]["sd"], r["spread"]["published_sd"]) for r in rows]
+    assert spreads == [(3, round(metrics[m]["test_acc_std"], 4), sd) for m, sd in (("gcn", None), ("gat", 0.7))]
     assert all(r["ours"] == round(metrics[m]["test_acc_mean"], 2) for r, m in zip(rows, ("gcn", "gat"), strict=True))
     assert all(set(r["data"]) <= set(files) and len(r["data"]) == 8 for r in rows)
     assert (out / "plots/accuracy.png").read_bytes()[:4] == b"\x89PNG"
