@@ -25,6 +25,8 @@ Output (data/prepare_data/):
     corpus/{train,val,test}.docs.npy  int64 byte offset of each document's start in the .txt
     instructions.jsonl                records with string fields instruction, input, output
     planetoid/<Name>/raw/ind.*        the raw files PyG's Planetoid(root, name) reads
+    benchmarks/wikitext-2-raw/wiki.test.raw   WikiText-2's raw test split as published (`benchmarks`), for
+                                      eval_harness's wikitext task
     meta.json                         sources, per-split counts and the sha256 of every file written
     figures.json                      bytes, lines and documents per split; instruction records
     metrics.json                      train bytes, instruction records (DVC metrics)
@@ -48,6 +50,8 @@ from stages.common import atomic, ckpt, config, digest, runtime, sources, stage,
 STAGE = "prepare_data"
 SPLITS = ("train", "val", "test")
 LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")
+# Evaluation sets copied verbatim (what eval_harness reads): name -> (split files, folder in the output).
+BENCHMARKS = {"wikitext2": ({"test": sources.WIKITEXT2["test"]}, "benchmarks/wikitext-2-raw")}
 PIECE_BYTES = 16 << 10  # in a mixture, longer documents are interleaved in pieces of whole lines this size
 
 
@@ -61,6 +65,7 @@ class Config:
     instructions: str
     instructions_max_records: int
     graphs: tuple[str, ...]
+    benchmarks: tuple[str, ...] = ("wikitext2",)
 
     def __post_init__(self):
         if not (
@@ -74,6 +79,9 @@ class Config:
         bad = [g for g in self.graphs if g not in sources.PLANETOID_NAMES]
         if bad:
             raise ValueError(f"graphs: unknown graph {bad[0]!r}; valid: {', '.join(sources.PLANETOID_NAMES)}")
+        bad = [b for b in self.benchmarks if b not in BENCHMARKS]
+        if bad:
+            raise ValueError(f"benchmarks: unknown benchmark {bad[0]!r}; valid: {', '.join(BENCHMARKS)}")
 
 
 def mixture_sources(entries) -> list[tuple[str, float]]:
@@ -516,6 +524,18 @@ def write_instructions(cfg: Config, out: Path, workdir: Path) -> dict:
     return {"source": source, "records": len(records)}
 
 
+def write_benchmarks(cfg: Config, out: Path) -> dict:
+    """The evaluation sets of `benchmarks`, byte for byte as published: {path in the output: sha256}."""
+    shas = {}
+    for name in cfg.benchmarks:
+        files, folder = BENCHMARKS[name]
+        (out / folder).mkdir(parents=True)
+        for split, raw in files.items():
+            dest = out / folder / Path(raw.mirror).name
+            shas[str(dest.relative_to(out))] = fetch_wikitext2(split, raw, dest)
+    return shas
+
+
 def write_graphs(cfg: Config, out: Path) -> dict:
     shas = {}
     for name in cfg.graphs:
@@ -540,6 +560,7 @@ def prepare(cfg: Config, output: Path) -> dict:
         if cfg.instructions != "none":
             meta["instructions"] = write_instructions(cfg, tmp, work)
         meta["graphs"] = {"names": list(cfg.graphs), "raw_sha256": write_graphs(cfg, tmp)}
+        meta["benchmarks"] = {"names": list(cfg.benchmarks), "sha256": write_benchmarks(cfg, tmp)}
         meta["files"] = {str(p.relative_to(tmp)): digest.sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         atomic.write_json(tmp / "meta.json", meta)
         figures = metrics_of(meta)

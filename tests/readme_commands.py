@@ -131,6 +131,8 @@ HOW: dict[str, tuple[str, str]] = {
     "python -m stages.eval_perplexity --models pretrain=data/pretrain/model --text "
     "$PIPELINE_DATA_MIRROR/wikitext-2-raw/wiki.test.raw --output data/eval_perplexity/wikitext protocol=wikitext "
     "contexts=[256] max_tokens=0": ("check", "the mirror's WikiText-2 test split"),
+    "python -m stages.eval_harness --models pretrain=data/pretrain/model --data data/prepare_data "
+    "--output data/eval_harness/pretrain tasks=[wikitext]": ("check", ""),
     "lm_eval --model hf --model_args pretrained=data/pretrain/model,dtype=float32 --tasks wikitext --device cpu": (
         "marked",
         "network: the task's dataset is on the hub (tests/test_harness_parity.py runs the task on the mirror's copy)",

@@ -33,12 +33,14 @@ DOWNSTREAM = {
     "extend_context",
     "finetune_qlora",
     "eval_perplexity",
+    "eval_harness",
     "context_study",
     "memory_study",
     "report",
 }
-# The stages of a whole run, as MLflow groups them (eval_perplexity and finetune_qlora run twice: two items).
-FULL = sorted(["prepare_data", "train_gnn", "eval_perplexity", "finetune_qlora", *DOWNSTREAM])
+# The stages of a whole run, as MLflow groups them (eval_perplexity, eval_harness and finetune_qlora run twice:
+# two items).
+FULL = sorted(["prepare_data", "train_gnn", "eval_perplexity", "eval_harness", "finetune_qlora", *DOWNSTREAM])
 
 
 def snakemake_ran(out: str) -> set[str]:
@@ -92,6 +94,7 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     client = mlflow.MlflowClient(f"sqlite:///{clone / 'mlflow.db'}")
     names = {r.info.run_name for r in client.search_runs([client.get_experiment_by_name("pipeline").experiment_id])}
     items = {"eval_perplexity@pretrain", "eval_perplexity@extend_context", "finetune_qlora@nf4", "finetune_qlora@none"}
+    items |= {"eval_harness@pretrain", "eval_harness@extend_context"}
     assert items | {"pretrain", "report"} <= names, "stage runs are named with their item"
     results = (clone / "reports/results.md").read_text()
     assert "| result | paper | relation | published | ours | tolerance | pass | stage | data_hashes |" in results

@@ -157,7 +157,7 @@ def test_an_edit_to_an_imported_module_reruns_what_imports_it_and_what_follows(c
         mesh.write_text(source + "\n# an edit\n")
         training = {"pretrain", "extend_context", "finetune_qlora@nf4", "finetune_qlora@none", "memory_study"}
         assert set(json.loads(sh("dvc status --json", clone))) == training
-        downstream = {"eval_perplexity", "context_study", "report"}
+        downstream = {"eval_perplexity", "eval_harness", "context_study", "report"}
         assert planned(clone) == {"pretrain", "extend_context", "finetune_qlora", "memory_study", *downstream}
     finally:
         mesh.write_text(source)
@@ -171,7 +171,7 @@ def test_an_edit_to_an_imported_module_reruns_what_imports_it_and_what_follows(c
         assert pinned != packages.read_text()
         lm = {"prepare_data", "tokenize", "pretrain", "extend_context", "context_study", "memory_study", "report"}
         lm |= {f"finetune_qlora@{q}" for q in ("nf4", "none")}
-        lm |= {f"eval_perplexity@{m}" for m in ("pretrain", "extend_context")}
+        lm |= {f"{s}@{m}" for s in ("eval_perplexity", "eval_harness") for m in ("pretrain", "extend_context")}
         assert set(json.loads(sh("dvc status --json", clone))) == lm
     finally:
         packages.write_text(pinned)
@@ -188,7 +188,7 @@ def test_an_output_changed_in_place_is_remade_by_both_tools(clone):
         corpus.write_bytes(text + b"x\n")
         status = json.loads(sh("dvc status --json", clone))
         assert status["prepare_data"] == [{"changed outs": {"data/prepare_data": "modified"}}]
-        everything = {"prepare_data", *DOWNSTREAM, "finetune_qlora", "eval_perplexity", "train_gnn"}
+        everything = {"prepare_data", *DOWNSTREAM, "finetune_qlora", "eval_perplexity", "eval_harness", "train_gnn"}
         assert planned(clone) == everything
     finally:
         corpus.write_bytes(text)

@@ -5,7 +5,8 @@ test split as a local dataset (tests/harness_wikitext.py), and scores the model 
 (data/pretrain/model of the shared run) with its `hf` model, fp32 on CPU. Word perplexity, byte perplexity
 and bits per byte must equal the stage's to 1e-6 relative: once with windows that roll across documents
 (the model's context of 64 tokens, two processes), once with a context longer than the document (one
-window each). The document split, the detokenizer and the word and byte counts are compared with the
+window each). The pipeline's eval_harness stage, which runs the same task on the same model, must give
+the harness's figures too. The document split, the detokenizer and the word and byte counts are compared with the
 harness's over both splits of the mirror.
 """
 
@@ -30,9 +31,9 @@ FIGURES = ("word_perplexity", "byte_perplexity", "bits_per_byte")
 # Rows of the hub's document-level WikiText-2 (EleutherAI/wikitext_document_level, wikitext-2-raw-v1), which
 # the harness's task reads: the split below must give the same documents.
 HUB_DOCUMENTS = {"test": 62, "valid": 60}
-# (max_documents, context): windows rolling across the first documents at the model's context; the first
-# document (3,270 tokens of the ci tokenizer) inside one window.
-CASES = ((3, 64), (1, 4096))
+# (max_documents, context): windows rolling across the first documents at the model's context (as the ci
+# preset's eval_harness scores them); the first document (3,270 tokens of the ci tokenizer) inside one window.
+CASES = ((2, 64), (1, 4096))
 
 
 def harness_preprocessing():
@@ -114,3 +115,13 @@ def test_wikitext_figures_equal_the_harness_s(published, case, monkeypatch):
     assert rolls == (case == 0), f"{m['tokens']} tokens in windows of {context}"
     for name in FIGURES:
         assert m[name] == pytest.approx(harness[case][name], rel=REL), name
+
+
+def test_the_pipeline_s_eval_harness_stage_gives_the_harness_s_figures(published):
+    """eval_harness@pretrain of the shared run: the ci preset's limit of 2 documents at the model's own
+    context, i.e. the first case."""
+    _, _, _, harness = published
+    stage = json.loads((shared_run() / "data/eval_harness/pretrain/figures.json").read_text())["pretrain"]["wikitext"]
+    assert CASES[0] == (2, 64) and harness[0]["documents"] == 2
+    for name in FIGURES:
+        assert stage[name] == pytest.approx(harness[0][name], rel=REL), name
