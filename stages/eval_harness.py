@@ -17,7 +17,7 @@ Writes to --output:
     harness.json     per model and task: the harness's figures, task version, few-shot count and samples
                      (its timings and dates go to --measured, its configs are left out)
     figures.json     {model: {task: {metric: value}}} (the harness's metric names)
-    metrics.json     the same (DVC metrics)
+    metrics.json     per task its headline figure per model (wikitext: word perplexity; DVC metrics)
     meta.json        the lm_eval version, dtype, max_length, limit, the code's hash and the package versions
 Measured (--measured): seconds per model and task.
 
@@ -198,6 +198,17 @@ def evaluate(folder: Path, tasks, cfg: Config, rt: runtime.Runtime) -> tuple[dic
     return records, seconds
 
 
+def headline(figures: dict) -> dict:
+    """metrics.json: per task its first figure (wikitext: word perplexity, the figure papers quote), per model."""
+    out = {}
+    for label, per_task in figures.items():
+        for task, metrics in per_task.items():
+            name = next(iter(sorted(metrics, key=lambda m: (m != "word_perplexity", m))), None)
+            if name is not None:
+                out.setdefault(task, {}).setdefault(name, {})[label] = metrics[name]
+    return out
+
+
 def run(models: dict, tasks: dict, cfg: Config, output: Path, measured: Path, rt, tracker) -> dict:
     from importlib.metadata import version
 
@@ -213,7 +224,7 @@ def run(models: dict, tasks: dict, cfg: Config, output: Path, measured: Path, rt
     if rt.is_main:
         with atomic.folder(output) as tmp:
             atomic.write_json(tmp / "harness.json", {"lm_eval": version("lm_eval"), "models": records})
-            stage.write_metrics(tmp, figures, figures)
+            stage.write_metrics(tmp, figures, headline(figures))
             dtype = str(runtime.compute_dtype(rt.device, cfg.precision))
             atomic.write_json(
                 tmp / "meta.json",

@@ -24,7 +24,8 @@ def test_every_published_model_gets_the_harness_s_wikitext_figures_logged_to_mlf
         out = run / "data/eval_harness" / item
         figures = json.loads((out / "figures.json").read_text())
         assert sorted(figures) == labels and all(set(f["wikitext"]) == FIGURES for f in figures.values())
-        assert json.loads((out / "metrics.json").read_text()) == figures
+        headline = {"wikitext": {"word_perplexity": {k: f["wikitext"]["word_perplexity"] for k, f in figures.items()}}}
+        assert json.loads((out / "metrics.json").read_text()) == headline
         harness = json.loads((out / "harness.json").read_text())
         assert harness["lm_eval"] == json.loads((out / "meta.json").read_text())["lm_eval"]
         record = harness["models"][labels[0]]["wikitext"]
