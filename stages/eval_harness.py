@@ -11,7 +11,10 @@ Runs the harness (`lm_eval.simple_evaluate`, its `hf` model loading each model f
 Every task and its dataset is loaded before any model, so a bad name or a missing dataset stops the
 stage in one line. A folder holding models in subfolders (extend_context's variants) stands for each.
 Under torchrun the models are dealt to the ranks, each evaluated whole by one process (the harness's
-own data parallelism is for `accelerate launch` on GPUs); rank 0 gathers and writes.
+own data parallelism is for `accelerate launch` on GPUs); rank 0 gathers and writes. A rank with fewer
+models waits for the others in that gather, within the collective timeout (1800 s): a model whose tasks
+take longer runs with one process per model, or alone (`--nproc-per-node 1`). Figures equal the harness's
+own run in fp32 (precision fp32, the default on CPUs); in bf16 the harness sums in bf16 too.
 
 Writes to --output:
     harness.json     per model and task: the harness's figures, task version, few-shot count and samples
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -114,7 +118,10 @@ def load_tasks(cfg: Config, data: Path, workdir: Path):
                 f"prepare_data.benchmarks and re-run prepare_data (or pass --data FOLDER holding {WIKITEXT_FILE})"
             )
         pages = workdir / "pages.jsonl"
-        docs = wikitext.documents(raw.read_text(encoding="utf-8"))
+        try:
+            docs = wikitext.documents(raw.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise config.UserError(f"eval_harness: {raw}: {e}; it is not a raw WikiText split") from None
         pages.write_text("".join(json.dumps({"page": d}) + "\n" for d in docs), encoding="utf-8")
         task_yaml(workdir, pages)
         wanted["wikitext"] = LOCAL_TASK
@@ -122,18 +129,20 @@ def load_tasks(cfg: Config, data: Path, workdir: Path):
     for name in cfg.tasks:
         if name == "wikitext":
             continue
-        if name not in manager.all_tasks:
+        if name not in manager.all_subtasks:
+            what = "a group or tag of several tasks; name its tasks one by one" if name in manager.all_tasks else ""
             raise config.UserError(
-                f"eval_harness: {name!r} is not a task of lm-evaluation-harness (`lm_eval --tasks list` names them)"
+                f"eval_harness: {name!r} is not a task of lm-evaluation-harness"
+                + (f" ({what})" if what else " (`lm_eval --tasks list` names them)")
             )
         wanted[name] = name
     for name, task in wanted.items():
         try:
             manager.load([task])
         except Exception as e:  # the harness raises whatever `datasets` does for a dataset it cannot read
+            hint = "" if name == "wikitext" else "; hub tasks need a machine that reaches huggingface.co"
             raise config.UserError(
-                f"eval_harness: task {name}: its dataset did not load ({type(e).__name__}: {str(e)[:300]}); "
-                "hub tasks need a machine that reaches huggingface.co"
+                f"eval_harness: task {name}: its dataset did not load ({type(e).__name__}: {str(e)[:300]}){hint}"
             ) from None
     return manager, wanted
 
@@ -195,6 +204,8 @@ def evaluate(folder: Path, tasks, cfg: Config, rt: runtime.Runtime) -> tuple[dic
             "n-shot": run.get("n-shot", {}).get(task),
             "samples": run["n-samples"][task],
         }
+    del lm, model  # before the next model loads
+    gc.collect()
     return records, seconds
 
 
@@ -228,7 +239,13 @@ def run(models: dict, tasks: dict, cfg: Config, output: Path, measured: Path, rt
             dtype = str(runtime.compute_dtype(rt.device, cfg.precision))
             atomic.write_json(
                 tmp / "meta.json",
-                {"lm_eval": version("lm_eval"), "compute_dtype": dtype, **stage.code_record(STAGE)},
+                {
+                    "lm_eval": version("lm_eval"),
+                    "compute_dtype": dtype,
+                    "max_length": cfg.max_length,
+                    "limit": cfg.limit,
+                    **stage.code_record(STAGE),
+                },
             )
         stage.write_measured(measured, output, {"seconds": {label: everything[label][1] for label in labels}})
         for label, per in figures.items():

@@ -451,10 +451,16 @@ def fetch_wikitext2(split: str, raw: sources.RawFile, dest: Path) -> str:
             ) from None
     ds = load_hub(sources.WIKITEXT2_HUB[0], name=sources.WIKITEXT2_HUB[1])
     hub_split = {"val": "validation"}.get(split, split)
-    with open(dest, "w", encoding="utf-8") as fh:  # blank lines are stored as ""
+    with open(dest, "w", encoding="utf-8") as fh:  # the file's blank lines are " \n", stored as ""
         for row in ds[hub_split]:
-            fh.write(row["text"] or "\n")
-    return digest.sha256_file(dest)
+            fh.write(row["text"] or " \n")
+    got = digest.sha256_file(dest)
+    if got != raw.sha256:
+        raise DataError(
+            f"wikitext2 {split} split: the hub's rows ({'/'.join(sources.WIKITEXT2_HUB)}) rebuild a file with sha256 "
+            f"{got}, not the published {raw.sha256}; set PIPELINE_DATA_MIRROR to a directory holding {raw.mirror}"
+        )
+    return got
 
 
 def write_hub_corpus(name: str, cfg: Config, writers: dict[str, SplitWriter]) -> int:

@@ -30,12 +30,13 @@ Spread rule (SPREAD_RULE): a mean over our n runs with standard deviation sd, ag
 its n_p runs with deviation sd_p, passes when |ours - published| <= t * sqrt(sd^2/n + sd_p^2/n_p), t the
 99.5% quantile of Student's t with the Welch-Satterthwaite degrees of freedom: Welch's two-sided test at
 the 1% level, whether the two means could come from one distribution of runs, without assuming equal
-spreads or run counts. A faithful reproduction fails one report in a hundred; few seeds give a wide
-tolerance (t grows as the degrees of freedom fall), never a false failure from noise alone. Where the
-paper gives no deviation its runs are assumed to spread as ours do (the spread is the method's, under
-the same protocol); with one run of ours, ours is assumed to spread as the paper's; with neither, the
-row's fixed tolerance applies. The row says which (`spread.assumed`). The rule covers run-to-run noise
-only: a systematic difference between implementations fails it, as it should.
+spreads or run counts: a faithful reproduction fails one report in a hundred. Where the paper gives no
+deviation its runs are assumed to spread as ours do (the spread is the method's, under the same
+protocol), and the degrees of freedom are then our runs' less one (one estimate of the spread). With
+fewer than MIN_RUNS runs of ours the spread is not estimated (t explodes as the degrees of freedom fall,
+so any mean would pass), nor where both deviations are 0: the row's fixed tolerance applies. The row says
+which (`spread.rule`, `spread.assumed`). The rule covers run-to-run noise only: a systematic difference
+between implementations fails it, as it should.
 A stage run once per item (data/<stage>/<item>, e.g. finetune_qlora/nf4 and finetune_qlora/none)
 also gets a comparison table: the metrics its items share, one column per item.
 
@@ -80,6 +81,7 @@ ROW_FIELDS = (
 )
 SPREAD_RULE = "Welch t, 1% two-sided"
 SPREAD_KEYS = ("n", "sd", "published_n", "published_sd")
+MIN_RUNS = 5  # runs of ours below which the spread rule is not applied (t(0.995, 4) = 4.6 already)
 ROW_INPUT_FIELDS = ("result", "paper", "published", "ours", "tolerance")
 RELATIONS = {
     "=": lambda ours, published, tol: abs(ours - published) <= tol,
@@ -125,21 +127,17 @@ def spread_tolerance(spread: dict, fallback: float, where: str) -> tuple[float, 
     counts_ok = all(isinstance(v, int) and v >= 1 for v in (n, pn)) and (n < 2 or sd is not None)
     if not counts_ok or any(v is not None and not (isinstance(v, (int, float)) and v >= 0) for v in (sd, psd)):
         raise config.UserError(f"{where}: spread needs run counts >= 1 and deviations >= 0 (or null), got {spread}")
-    if n < 2 and (psd is None or pn < 2):
-        return fallback, {**spread, "rule": "fixed tolerance", "assumed": "no spread on either side"}
-    assumed = None
-    if n < 2:
-        sd, assumed = psd, "our sd taken as the paper's (one run of ours)"
-    elif psd is None:
-        psd, assumed = sd, "published sd taken as ours (the paper gives none)"
+    if n < MIN_RUNS or (psd is not None and pn < 2) or not (sd or psd):
+        why = f"fewer than {MIN_RUNS} runs of ours" if n < MIN_RUNS else "no spread to estimate"
+        return fallback, {**spread, "rule": "fixed tolerance", "assumed": why}
     from scipy.stats import t
 
-    a, b = sd**2 / n, psd**2 / pn
-    if a + b == 0:
-        return 0.0, {**spread, "rule": SPREAD_RULE, "assumed": assumed}
-    # Welch-Satterthwaite degrees of freedom (a side of one run adds no term)
-    terms = (a**2 / (n - 1) if n > 1 else 0.0) + (b**2 / (pn - 1) if pn > 1 else 0.0)
-    dof = (a + b) ** 2 / terms if terms else math.inf
+    if psd is None:  # one estimate of the spread, ours, for both sides
+        a, b = sd**2 / n, sd**2 / pn
+        dof, assumed = n - 1, "published sd taken as ours (the paper gives none)"
+    else:  # Welch-Satterthwaite
+        a, b = sd**2 / n, psd**2 / pn
+        dof, assumed = (a + b) ** 2 / (a**2 / (n - 1) + b**2 / (pn - 1)), None
     tolerance = float(t.ppf(0.995, dof) * math.sqrt(a + b))
     return round(tolerance, 4), {**spread, "rule": SPREAD_RULE, "assumed": assumed}
 
@@ -206,10 +204,10 @@ def row_cells(row: dict) -> str:
                 f"{fmt(mean)} ± {fmt(sd)}{'*' if assumed else ''} (n={n})" if sd is not None else f"{fmt(mean)} (n={n})"
             )
 
-        assumed = spread["assumed"] or ""
+        borrowed = (spread["assumed"] or "").startswith("published sd taken as ours")
         cells["ours"] = pm(row["ours"], spread["sd"], spread["n"], False)
-        published_sd = spread["published_sd"] if spread["published_sd"] is not None else spread["sd"]
-        cells["published"] = pm(row["published"], published_sd, spread["published_n"], assumed.startswith("published"))
+        published_sd = spread["sd"] if borrowed else spread["published_sd"]
+        cells["published"] = pm(row["published"], published_sd, spread["published_n"], borrowed)
         cells["tolerance"] = f"{fmt(row['tolerance'])} ({spread['rule']})"
     return "| " + " | ".join(cells.values()) + " |"
 

@@ -364,7 +364,7 @@ def result_rows(summary: dict, cfg: Config) -> list[dict]:
             "paper": PAPERS[kind],
             "published": PUBLISHED[kind][cfg.dataset],
             "ours": round(summary[kind]["test_acc_mean"], 2),
-            "tolerance": cfg.tolerance,  # used by the report only where no spread is known
+            "tolerance": cfg.tolerance,  # used by the report only where the spread is not estimated
             "spread": {
                 "n": cfg.seeds,
                 "sd": round(summary[kind]["test_acc_std"], 4) if cfg.seeds > 1 else None,

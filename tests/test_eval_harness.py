@@ -53,6 +53,7 @@ def test_every_published_model_gets_the_harness_s_wikitext_figures_logged_to_mlf
         (["tasks=[wikitext,no_such_task]"], "eval_harness: 'no_such_task' is not a task of lm-evaluation-harness"),
         (["--data", "elsewhere"], "task wikitext reads elsewhere/benchmarks/wikitext-2-raw/wiki.test.raw, which is"),
         (["tasks=[]"], "eval_harness.tasks must be a non-empty list of distinct harness task names"),
+        (["tasks=[mmlu]"], "'mmlu' is not a task of lm-evaluation-harness (a group or tag of several tasks"),
     ],
 )
 def test_bad_tasks_and_missing_data_stop_before_any_model_loads(tmp_path, monkeypatch, args, message):

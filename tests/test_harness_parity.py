@@ -12,6 +12,7 @@ harness's over both splits of the mirror.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import re
@@ -31,6 +32,12 @@ FIGURES = ("word_perplexity", "byte_perplexity", "bits_per_byte")
 # Rows of the hub's document-level WikiText-2 (EleutherAI/wikitext_document_level, wikitext-2-raw-v1), which
 # the harness's task reads: the split below must give the same documents.
 HUB_DOCUMENTS = {"test": 62, "valid": 60}
+# sha256 of json.dumps(documents) as the split is cut today (the hub's generation script, read line by line,
+# splits the same way): a change to the split shows here even where the counts stay.
+DOCUMENTS_SHA256 = {
+    "test": "ada3db8332b346ca750b7e4de2169583957e5cef452f0e1fcf90fe03e99930d2",
+    "valid": "b45a38f6f4a4dd8cd86737ccd0fdf03d9e49d36581d3b372c90c0d653d7e834a",
+}
 # (max_documents, context): windows rolling across the first documents at the model's context (as the ci
 # preset's eval_harness scores them); the first document (3,270 tokens of the ci tokenizer) inside one window.
 CASES = ((2, 64), (1, 4096))
@@ -52,6 +59,7 @@ def test_documents_detokenizer_and_counts_are_the_harness_s(mirror, split):
     text = (mirror / "wikitext-2-raw" / f"wiki.{split}.raw").read_text(encoding="utf-8")
     docs = wikitext.documents(text)
     assert len(docs) == HUB_DOCUMENTS[split]
+    assert hashlib.sha256(json.dumps(docs).encode()).hexdigest() == DOCUMENTS_SHA256[split]
     assert text.endswith("\n".join(docs)) and not text[: len(text) - len("\n".join(docs))].strip()
     assert all(re.match(r" = [^=].* = $", d.split("\n")[0]) for d in docs), "each document opens with its title"
     harness = harness_preprocessing()
@@ -59,6 +67,29 @@ def test_documents_detokenizer_and_counts_are_the_harness_s(mirror, split):
         assert wikitext.detokenize(doc) == harness.wikitext_detokenizer({"page": doc})
         got = harness.process_results({"page": doc}, (-1.0,))
         assert wikitext.counts(doc) == (got["word_perplexity"][1], got["byte_perplexity"][1])
+
+
+def test_document_windows_give_each_token_the_context_the_harness_gives_it():
+    """eval_perplexity's windows of a document against the harness's own rolling windows (get_rolling_token_windows
+    and make_disjoint_window, the input cut as its hf model cuts it): the same context before every token."""
+    from lm_eval import utils
+
+    prefix = -1
+    for n in range(0, 30):
+        for context in range(1, 12):
+            tokens = list(range(100, 100 + n))
+            ids = [prefix, *tokens]
+            ours = {}
+            for begin, length, first in eval_perplexity.document_windows(0, n, context):
+                for j in range(first, length):  # reads ids[begin : begin + j + 1], predicts ids[begin + j + 1]
+                    ours[ids[begin + j + 1]] = ids[begin : begin + j + 1]
+            theirs = {}
+            for pair in utils.get_rolling_token_windows(tokens, prefix, context, 1):
+                given, predicted = utils.make_disjoint_window(pair)
+                read = (given + predicted)[-(context + 1) :][:-1]
+                for k, token in enumerate(predicted):
+                    theirs[token] = read[: len(read) - len(predicted) + k + 1]
+            assert ours == theirs, (n, context)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +101,8 @@ def published(mirror, tmp_path_factory):
     model = shared_run() / "data" / "pretrain" / "model"
     raw = mirror / "wikitext-2-raw" / "wiki.test.raw"
     pages = root / "pages.jsonl"
-    pages.write_text("".join(json.dumps({"page": d}) + "\n" for d in wikitext.documents(raw.read_text())))
+    docs = wikitext.documents(raw.read_text(encoding="utf-8"))
+    pages.write_text("".join(json.dumps({"page": d}) + "\n" for d in docs), encoding="utf-8")
     pairs = [str(x) for case in CASES for x in case]
     proc = subprocess.run(
         [
@@ -101,6 +133,7 @@ def test_wikitext_figures_equal_the_harness_s(published, case, monkeypatch):
         "max_tokens=0",
         "extrapolate=true",
         "position_buckets=[]",
+        "precision=fp32",  # as the harness runs
     ]
     if case == 0:  # under torchrun, two processes sharing the windows
         run_stage("eval_perplexity", args, cwd=root, nproc=2)

@@ -29,7 +29,10 @@ def test_outputs_match_sources_and_are_deterministic(prepared, mirror, tmp_path)
         text = (out / f"corpus/{split}.txt").read_bytes()
         assert text.endswith(b"\n") and len(text) == meta["corpus"]["splits"][split]["bytes"]
         assert np.load(out / f"corpus/{split}.docs.npy").tolist() == [0]
-    # Planetoid raw files are byte copies of the mirror's; instructions keep the first records.
+    # Planetoid raw files and the benchmarks are byte copies of the mirror's; instructions keep the first records.
+    bench = "benchmarks/wikitext-2-raw/wiki.test.raw"
+    assert meta["benchmarks"]["sha256"] == {bench: sha256(mirror / "wikitext-2-raw/wiki.test.raw")}
+    assert sha256(out / bench) == "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08"
     for rel, digest in meta["graphs"]["raw_sha256"].items():
         assert digest == sha256(mirror / rel) == sha256(out / rel)
     records = [json.loads(line) for line in (out / "instructions.jsonl").read_text().splitlines()]

@@ -120,8 +120,8 @@ def test_means_over_runs_pass_by_welch_s_test_on_both_spreads(tree):
         spread_row("equal spreads, inside", 80.0, 82.1, 5, 1.0, 1.0, published_n=5),
         spread_row("equal spreads, outside", 80.0, 82.2, 5, 1.0, 1.0, published_n=5),
         spread_row("paper without sd", 81.5, 81.84, 10, 0.5816, None),
-        spread_row("one run of ours", 83.0, 82.0, 1, None, 0.7),
-        spread_row("no spread anywhere", 81.5, 82.4, 1, None, None, tolerance=1.0),
+        spread_row("two runs", 83.0, 90.0, 2, 0.5, 0.7),
+        spread_row("identical runs", 81.5, 82.4, 5, 0.0, None, tolerance=1.0),
     ]
     stage_folder(tree, "gnn_spread", rows=rows)
     doc = report.main(["--output", "reports", "--inputs", "data/gnn_spread"])
@@ -130,14 +130,17 @@ def test_means_over_runs_pass_by_welch_s_test_on_both_spreads(tree):
     assert [got[k]["pass"] for k in ("equal spreads, inside", "equal spreads, outside")] == [True, False]
     assumed = got["paper without sd"]["spread"]
     assert assumed["assumed"].startswith("published sd taken as ours") and assumed["rule"] == report.SPREAD_RULE
-    # both sides 0.5816: a = 0.0338, b = 0.00338, about 11 degrees of freedom: t(0.995, 11) = 3.1058
-    assert got["paper without sd"]["tolerance"] == pytest.approx(3.1058 * (0.5816**2 * 0.11) ** 0.5, rel=0.01)
-    assert got["one run of ours"]["spread"]["assumed"].startswith("our sd taken as the paper's")
-    assert got["one run of ours"]["pass"] is True  # 1.0 from 83.0; one run spread 0.7 gives a wide tolerance
-    fixed = got["no spread anywhere"]
-    assert (fixed["tolerance"], fixed["spread"]["rule"], fixed["pass"]) == (1.0, "fixed tolerance", True)
+    # one estimate of the spread (ours, 10 runs): 9 degrees of freedom, t(0.995, 9) = 3.2498 (tables)
+    assert got["paper without sd"]["tolerance"] == pytest.approx(3.2498 * (0.5816**2 * 0.11) ** 0.5, abs=2e-4)
+    # two runs would give t(0.995, ~1) = 60 and pass anything: the fixed tolerance judges them
+    two = got["two runs"]
+    assert (two["tolerance"], two["spread"]["rule"], two["pass"]) == (1.0, "fixed tolerance", False)
+    assert two["spread"]["assumed"] == f"fewer than {report.MIN_RUNS} runs of ours"
+    same = got["identical runs"]
+    assert (same["tolerance"], same["spread"]["assumed"], same["pass"]) == (1.0, "no spread to estimate", True)
     md = (tree / "reports/results.md").read_text()
     assert "| 81.5 ± 0.5816* (n=100) | 81.84 ± 0.5816 (n=10) |" in md and "Welch" in md
+    assert "| 83 ± 0.7 (n=100) | 90 ± 0.5 (n=2) | 1 (fixed tolerance) | FAIL |" in md
     stage_folder(tree, "bad_spread", rows=[{**rows[0], "spread": {"n": 5, "sd": 1.0}}])
     with pytest.raises(config.UserError, match="row 0: spread must hold exactly n, sd, published_n, published_sd"):
         report.main(["--output", "reports", "--inputs", "data/bad_spread"])
