@@ -92,6 +92,10 @@ RELATIONS = {
 
 # The params sections that determine the eval_perplexity stages' numbers.
 REGRESSION_SECTIONS = ("prepare_data", "tokenize", "pretrain", "extend_context", "eval_perplexity")
+# Keys of those sections that no perplexity depends on (prepare_data's evaluation sets feed eval_harness only).
+REGRESSION_IGNORED = {"prepare_data": ("benchmarks",)}
+# Keys added after records were made, left out of the fingerprint at the value those records were made with.
+REGRESSION_DEFAULTS = {"eval_perplexity": {"protocol": "stream", "max_documents": 0}}
 MAX_DIFFERENCES = 20  # differing settings listed under a missing record
 
 
@@ -355,8 +359,16 @@ def read_records(path: Path) -> list[dict]:
 
 
 def regression_params(params: dict) -> dict:
-    """The params sections behind the perplexities (what the fingerprint hashes)."""
-    return {name: params.get(name) for name in REGRESSION_SECTIONS}
+    """The params sections behind the perplexities (what the fingerprint hashes), less the keys that do not
+    reach them (REGRESSION_IGNORED)."""
+    sections = {name: params.get(name) for name in REGRESSION_SECTIONS}
+    for name, section in sections.items():
+        if isinstance(section, dict):
+            ignored, defaults = REGRESSION_IGNORED.get(name, ()), REGRESSION_DEFAULTS.get(name, {})
+            sections[name] = {
+                k: v for k, v in section.items() if k not in ignored and not (k in defaults and v == defaults[k])
+            }
+    return sections
 
 
 def params_differences(ours: dict, recorded: dict) -> list[str]:
