@@ -106,7 +106,8 @@ def test_snakemake_and_dvc_agree_on_what_is_current(clone):
     assert "`measured/report.json`" in results and "tokens_per_s" not in results
     assert "### tokenize" in results and (clone / "reports/results.json").is_file()
     assert (
-        "| GCN test accuracy on Cora (%), mean of 2 seeds | Kipf & Welling 2017 (GCN), Table 2 | = | 81.5 |" in results
+        "| GCN test accuracy on Cora (%), mean of 2 seeds | Kipf & Welling 2017 (GCN), Table 2 | = | 81.5 (n=100) |"
+        in results
     )
     assert "data/train_gnn/plots/accuracy.png" in results
     # The context-extension study: every method x length cell filled, its findings in the report.

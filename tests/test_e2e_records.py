@@ -283,7 +283,7 @@ def test_verify_holds_after_a_run_and_names_each_broken_link(clone):
     assert proc.returncode == 1 and re.search(r"^differs +data/tokenize$", proc.stdout, re.M), proc.stdout
     paths = {o["path"] for s in lock["stages"].values() for o in s["outs"]}
     measured = {p for p in paths if p.startswith("measured/")}  # timings: listed, never compared
-    assert len(measured) == 11 and all(re.search(rf"^measured +{re.escape(m)}$", proc.stdout, re.M) for m in measured)
+    assert len(measured) == 13 and all(re.search(rf"^measured +{re.escape(m)}$", proc.stdout, re.M) for m in measured)
     outs = len(paths - measured)
-    assert f"{outs - 1} identical, 0 within the recorded tolerance, 1 differs, 11 measured" in proc.stdout
+    assert f"{outs - 1} identical, 0 within the recorded tolerance, 1 differs, 13 measured" in proc.stdout
     assert "every link holds" in sh("python -m pipelines.verify", clone)

@@ -34,7 +34,7 @@ def origin(tmp_path_factory, mirror) -> Path:
     sh(f"dvc remote add -d store {clone.parent / 'store'} && {GIT} commit -qam 'the team remote'", clone)
     out = sh("python -m pipelines.share push", clone)  # (make push)
     entries = len(list((clone / ".dvc/cache/runs").glob("*/*/*")))
-    assert f"{entries} run-cache entries" in out and entries == 12, out  # (one per stage run)
+    assert f"{entries} run-cache entries" in out and entries == 14, out  # (one per stage run)
     return clone
 
 
@@ -48,7 +48,7 @@ def test_the_remote_holds_what_dvc_repro_pull_needs_beyond_dvc_push(origin):
     store = origin.parent / "store"
     outs = [o for entry in lock_stages(origin / "dvc.lock").values() for o in entry["outs"]]
     measured = [o for o in outs if o["path"].startswith("measured/")]
-    assert len(measured) == 11
+    assert len(measured) == 13
     for o in outs:
         md5 = o["md5"]
         assert (store / "files/md5" / md5[:2] / md5[2:]).is_file(), f"{o['path']} ({md5}) is not on the remote"

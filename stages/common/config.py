@@ -37,6 +37,7 @@ STAGE_SECTIONS = (
     "pretrain",
     "extend_context",
     "eval_perplexity",
+    "eval_harness",
     "finetune_qlora",
     "train_gnn",
     "context_study",
