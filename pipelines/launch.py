@@ -38,6 +38,12 @@ Under a local Snakemake, a stage also dies with that Snakemake (watch_snakemake)
 process is gone, even by SIGKILL, the stage gets SIGTERM, saves a checkpoint and ends with 143 (its
 pipeline's MLflow run KILLED), instead of finishing and committing for a run no one observes.
 
+Under `dvc repro` or Snakemake, where dvc.lock records every finished stage's outputs, the launcher first
+hashes the stage's inputs that another stage made against those records (damaged_input): a file whose
+bytes differ (a damaged object of DVC's cache checked out by `dvc pull`, a file changed in place with
+its size and time kept: both pass DVC's own checks) stops the stage before it starts, in one line with
+the mend, exit code 2.
+
 Outside Snakemake (under `dvc repro`), a stage that succeeds also drops Snakemake's provenance records
 of its outputs: they describe the previous Snakemake run, and would make Snakemake re-run a stage
 that DVC has just brought up to date. Without them Snakemake judges those outputs by modification time.
@@ -45,6 +51,7 @@ that DVC has just brought up to date. Without them Snakemake judges those output
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import shutil
@@ -280,10 +287,90 @@ def mark_pipeline(stage: str, code: int) -> None:
         print(f"launch: could not mark the pipeline's MLflow run: {e}", file=sys.stderr, flush=True)
 
 
+def damaged_input(label: str, root: Path) -> str | None:
+    """Under `dvc repro` or Snakemake: the first input file of stage `label` (its deps that another
+    stage's outs hold) whose bytes are not what dvc.lock records for that stage, as one line with the
+    mend; None when every one is, or outside those tools (a stage run by hand may read outputs made by
+    hand), or with PIPELINE_VERIFY_INPUTS=off. A missing file, a folder whose listing DVC's cache lacks,
+    and records of stages the pipeline no longer has are left to the stage and DVC."""
+    if not (os.environ.get("DVC_ROOT") or os.environ.get("PIPELINE_SNAKEMAKE")):
+        return None
+    if os.environ.get("PIPELINE_VERIFY_INPUTS", "on").strip().lower() == "off":
+        return None
+    import hashlib
+    import json
+
+    from pipelines import commit
+
+    table = load_table()
+    name, _, item = label.partition("@")
+    deps = [fill(d, item or None).rstrip("/") for d in table[name].deps]
+    stages = {n for st in table.values() for n, _ in st.instances()}
+    with contextlib.chdir(root), commit.commit_lock():  # (Snakemake's jobs commit beside this one)
+        try:
+            lock = commit.parse_yaml(commit.LOCK_FILE.read_text())
+        except (OSError, ValueError, commit.yaml.YAMLError):  # none yet, or cut short (Snakemake repairs it)
+            return None
+    cache = dvc_cache_dir(root)
+    recorded = lock.get("stages") if isinstance(lock, dict) else None
+    for producer, entry in sorted((recorded if isinstance(recorded, dict) else {}).items()):
+        outs = entry.get("outs") if producer in stages and isinstance(entry, dict) else None
+        for out in outs if isinstance(outs, list) else ():
+            if not isinstance(out, dict) or not isinstance(out.get("path"), str):
+                continue
+            path, md5 = out["path"].rstrip("/"), str(out.get("md5", ""))
+            inside = [d for d in deps if d == path or d.startswith(f"{path}/") or path.startswith(f"{d}/")]
+            if not commit.HASH.fullmatch(md5) or not inside:
+                continue
+            files = {path: md5}
+            if md5.endswith(".dir"):  # a folder: DVC's listing of it, in its cache
+                try:
+                    listing = json.loads((cache / "files/md5" / md5[:2] / md5[2:]).read_text())
+                    files = {f"{path}/{e['relpath']}": e["md5"] for e in listing}
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue
+            for file, want in sorted(files.items()):
+                if not any(file == d or file.startswith(f"{d}/") or path.startswith(f"{d}/") for d in inside):
+                    continue
+                try:
+                    with open(root / file, "rb") as fh:
+                        now = hashlib.file_digest(fh, "md5").hexdigest()
+                except OSError:
+                    continue
+                if now != want:
+                    return (
+                        f"{file}, an input made by {producer}, is not what dvc.lock records (md5 {want}, its bytes "
+                        f"{now}): a damaged DVC cache object or a change made in place; `python -m pipelines.verify "
+                        f"--rehash` names the mend, or re-run {producer}"
+                    )
+    return None
+
+
+def dvc_cache_dir(root: Path) -> Path:
+    """DVC's cache folder: `cache.dir` of .dvc/config.local, else of .dvc/config (relative to .dvc/), else
+    .dvc/cache."""
+    import configparser
+
+    for name in ("config.local", "config"):
+        parser = configparser.ConfigParser()
+        try:
+            parser.read(root / ".dvc" / name)
+        except configparser.Error:
+            continue
+        if parser.has_option("cache", "dir"):
+            return (root / ".dvc" / os.path.expanduser(parser.get("cache", "dir"))).resolve()
+    return root / ".dvc/cache"
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
     cmd = command(sys.argv[1], sys.argv[2:])
+    damaged = damaged_input(sys.argv[1], Path(os.environ.get("DVC_ROOT") or Path.cwd()))
+    if damaged:
+        mark_pipeline(sys.argv[1], 2)
+        print(f"error: launch: {sys.argv[1]}: {damaged}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     nproc, nodes = processes(sys.argv[1], os.environ)
     print("launch:", " ".join(cmd), file=sys.stderr, flush=True)
     # The child runs in a process group of its own, so Ctrl-C at a terminal reaches it once, through

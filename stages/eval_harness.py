@@ -223,8 +223,6 @@ def headline(figures: dict) -> dict:
 def run(models: dict, tasks: dict, cfg: Config, output: Path, measured: Path, rt, tracker) -> dict:
     from importlib.metadata import version
 
-    import lm_eval  # noqa: F401  (its version is recorded)
-
     labels = sorted(models)
     mine = {label: evaluate(models[label], tasks, cfg, rt) for label in labels[rt.rank :: rt.world_size]}
     everything = {}

@@ -77,7 +77,23 @@ HOW: dict[str, tuple[str, str]] = {
     "dvc exp branch <experiment> <branch>": ("marked", "needs an experiment"),
     "dvc exp remove <experiment>": ("marked", "needs an experiment"),
     "dvc remote add -d store /shared/project/dvc-store": ("run", "writes .dvc/config only"),
+    "dvc remote modify --local store keyfile ~/.ssh/id_ed25519": (
+        "marked",
+        "an SSH remote's setting (tests/system/test_two_nodes.py sets it for the SSH remote on its second node)",
+    ),
     'git add .dvc/config && git commit -m "the team remote"': ("marked", "commits in the user's repository"),
+    "MLFLOW_AUTH_CONFIG_PATH=/srv/mlflow/auth.ini MLFLOW_FLASK_SERVER_SECRET_KEY=another-random-string mlflow "
+    "server --app-name basic-auth --backend-store-uri sqlite:////srv/mlflow/mlflow.db --artifacts-destination "
+    "/srv/mlflow/artifacts --host 0.0.0.0 --port 5000": (
+        "marked",
+        "a server (tests/system/test_two_nodes.py starts one with users on its cluster's bridge)",
+    ),
+    'curl -u admin:$ADMIN_PASSWORD -H \'Content-Type: application/json\' -d \'{"username": "alice", '
+    '"password": "12-or-more-characters"}\' http://mlflow-host:5000/api/2.0/mlflow/users/create': (
+        "marked",
+        "a server with users (tests/system/test_two_nodes.py creates its users through this API)",
+    ),
+    "export MLFLOW_TRACKING_USERNAME=alice MLFLOW_TRACKING_PASSWORD=...": ("marked", "shell set-up"),
     "make push": ("make", "tests/test_e2e_remote.py pushes to a folder remote and pulls in fresh clones"),
     'git add dvc.lock measured && git commit -m "results" && git push': (
         "marked",

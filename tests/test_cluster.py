@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -193,3 +194,63 @@ def test_container_definitions_pin_the_base_by_digest_and_packages_by_the_lock()
         f"torch-{LOCK['torch']}+" in gnn
         and f"torch-{LOCK['torch']}+" in (ROOT / "containers/gnn/apptainer.def").read_text()
     )
+
+
+def test_the_launcher_stops_a_stage_whose_input_is_not_what_dvc_lock_records(tmp_path, monkeypatch):
+    """Under DVC or Snakemake, eval_perplexity@pretrain's inputs (data/pretrain, data/tokenize) are hashed
+    against the outs dvc.lock records for the stages that made them (a folder: DVC's listing in its cache):
+    a file with other bytes is named with its stage; another stage's outs, records of a stage the pipeline
+    no longer has, a listing the cache lacks, and a launch by hand are not checked."""
+    import hashlib
+
+    files = {"data/tokenize/train.bin": b"tokens", "data/pretrain/model/model.safetensors": b"weights"}
+    files |= {"data/pretrain/meta.json": b"{}", "data/train_gnn/metrics.json": b"{}"}
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    stages = {}
+    for stage, folder in (
+        ("tokenize", "data/tokenize"),
+        ("pretrain", "data/pretrain"),
+        ("train_gnn", "data/train_gnn"),
+    ):
+        listing = [
+            {"md5": hashlib.md5(data).hexdigest(), "relpath": name.removeprefix(f"{folder}/")}
+            for name, data in files.items()
+            if name.startswith(f"{folder}/")
+        ]
+        text = json.dumps(listing)
+        md5 = hashlib.md5(text.encode()).hexdigest() + ".dir"
+        cached = tmp_path / ".dvc/cache/files/md5" / md5[:2] / md5[2:]
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(text)
+        stages[stage] = {"cmd": "-", "outs": [{"path": folder, "md5": md5}]}
+    stages["tokenize_v1"] = {"cmd": "-", "outs": [{"path": "data/tokenize/train.bin", "md5": "0" * 32}]}  # stale
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": stages}))
+    label = "eval_perplexity@pretrain"
+    monkeypatch.delenv("PIPELINE_SNAKEMAKE", raising=False)
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    assert launch.damaged_input(label, tmp_path) is None
+
+    (tmp_path / "data/train_gnn/metrics.json").write_bytes(b"[]")  # not an input of this stage
+    assert launch.damaged_input(label, tmp_path) is None
+    (tmp_path / "data/pretrain/model/model.safetensors").write_bytes(b"weighTs")  # its size kept
+    line = launch.damaged_input(label, tmp_path)
+    assert line and line.startswith("data/pretrain/model/model.safetensors, an input made by pretrain, is not what"), (
+        line
+    )
+    assert f"md5 {hashlib.md5(b'weights').hexdigest()}, its bytes {hashlib.md5(b'weighTs').hexdigest()}" in line
+
+    (tmp_path / ".dvc/cache").rename(tmp_path / "shared-cache")  # `dvc cache dir ../shared-cache`
+    (tmp_path / ".dvc/config").write_text("[cache]\n    dir = ../shared-cache\n")
+    assert launch.damaged_input(label, tmp_path) == line
+    monkeypatch.setenv("PIPELINE_VERIFY_INPUTS", "off")
+    assert launch.damaged_input(label, tmp_path) is None
+    monkeypatch.delenv("PIPELINE_VERIFY_INPUTS")
+
+    monkeypatch.delenv("DVC_ROOT")
+    assert launch.damaged_input(label, tmp_path) is None, "a launch by hand reads what it is given"
+    monkeypatch.setenv("PIPELINE_SNAKEMAKE", "1")
+    assert launch.damaged_input(label, tmp_path) is not None
+    shutil.rmtree(tmp_path / "shared-cache")
+    assert launch.damaged_input(label, tmp_path) is None, "no listing in the cache: left to DVC"

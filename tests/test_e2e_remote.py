@@ -1,9 +1,9 @@
 """Results shared through a DVC remote (a folder, as on a cluster's shared filesystem), on a copy of the
 shared ci run (tests/shared_run.py): `make push` there; a fresh clone of the same commit pulls and nothing
 re-runs; a clone without dvc.lock's records restores every stage from the run cache without running one;
-a damaged object of DVC's cache, or an out changed in place, which DVC's own checks pass, is named by
-`python -m pipelines.verify --rehash` with the command that mends it; a push killed half-way is completed
-by the next one."""
+a damaged object of DVC's cache, or an out changed in place, which DVC's own checks pass, stops a stage
+that reads it before it starts, and is named by `python -m pipelines.verify --rehash` with the command that
+mends it; a push killed half-way is completed by the next one."""
 
 from __future__ import annotations
 
@@ -74,6 +74,12 @@ def test_a_fresh_clone_pulls_and_nothing_reruns_and_rehash_names_what_dvc_misses
     sh("rm -rf data/memory_study && dvc checkout", other)
     flip_first_byte(other / "data/train_gnn/metrics.json")
     assert UP_TO_DATE in sh("dvc status", other), "DVC trusts its cache (if this changes, --rehash is a second check)"
+    # A stage that reads them is not handed the damaged bytes: its launcher hashes its inputs first.
+    out = sh("dvc repro --force --single-item report", other, check=False)
+    refused = "error: launch: report: data/memory_study/metrics.json, an input made by memory_study, is not what"
+    assert refused in out and "python -m pipelines.verify --rehash` names the mend" in out, out[-3000:]
+    assert "-m stages.report" not in out, "the stage did not start"
+    sh("dvc checkout reports && git checkout -- measured/report.json", other)  # (DVC removed the stage's outs)
     out = sh("python -m pipelines.verify --rehash", other, check=False)
     damaged, edited = (x for x in out.splitlines() if x.startswith("BROKEN"))
     assert f"data/memory_study/metrics.json differs from dvc.lock (md5 {entry['md5']}), and so does" in damaged
@@ -138,12 +144,19 @@ def test_a_push_killed_half_way_is_completed_by_the_next_and_a_pull_gets_every_f
     """`dvc push` SIGKILLed once part of the objects are on the remote: none there is partial (DVC writes
     each under a temporary name first), the next push sends the rest, and a fresh clone pulls every file
     equal to the original."""
-    repo, store = tmp_path / "repo", tmp_path / "store"
+    killed_push_round_trip(tmp_path, str(tmp_path / "store"), tmp_path / "store")
+
+
+def killed_push_round_trip(tmp_path: Path, url: str, store: Path, local_config: dict | None = None) -> None:
+    """The test above with the remote at `url` (its files at `store`, to look at), each of `local_config`
+    set with `dvc remote modify --local` in both clones (tests/system/test_two_nodes.py: an SSH remote)."""
+    repo = tmp_path / "repo"
     (repo / "data").mkdir(parents=True)
     rng = random.Random(0)
     for i in range(200):
         (repo / "data" / f"{i:03}").write_bytes(rng.randbytes(1 << 20))
-    sh(f"git init -q && dvc init -q && dvc add -q data && dvc remote add -d store {store}", repo)
+    local = " ".join(f"&& dvc remote modify --local store {k} {v}" for k, v in (local_config or {}).items())
+    sh(f"git init -q && dvc init -q && dvc add -q data && dvc remote add -d store {url} {local}", repo)
     sh(f"git add -A && {GIT} commit -qm data", repo)
 
     def objects() -> list[Path]:  # (a temporary file of an unfinished copy starts with a dot)
@@ -165,5 +178,5 @@ def test_a_push_killed_half_way_is_completed_by_the_next_and_a_pull_gets_every_f
     assert "files pushed" in sh("dvc push", repo)
     assert len(objects()) == 201
     other = tmp_path / "other"
-    sh(f"git clone -q {repo} {other} && cd {other} && dvc pull -q", tmp_path)
+    sh(f"git clone -q {repo} {other} && cd {other} {local} && dvc pull -q", tmp_path)
     assert all((other / "data" / f.name).read_bytes() == f.read_bytes() for f in (repo / "data").iterdir())

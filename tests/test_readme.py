@@ -18,7 +18,7 @@ from conftest import ROOT
 
 COMMANDS = readme_commands.commands()
 # Programs a README command may start with, beyond the ones checked one by one below.
-SHELL = {"source", "cat", "git"}
+SHELL = {"source", "cat", "git", "export"}
 SYSTEM = {"podman", "apptainer", "docker"}  # container tools: optional here
 
 
@@ -48,6 +48,8 @@ def test_every_readme_command_is_tried_or_marked_with_a_reason():
 def test_the_program_of_each_command_exists(command):
     for part in re.split(r"\s*(?:&&|\|\|?|;)\s*", command):
         program, *rest = words(part)
+        while re.fullmatch(r"[A-Za-z_]\w*=\S*", program) and rest:  # VAR=value before the program
+            program, *rest = rest
         if program == "make":
             continue  # targets: below
         if program in ("python", "torchrun"):

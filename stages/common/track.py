@@ -281,6 +281,50 @@ def server_problem(uri: str, timeout_s: float = 10.0) -> str | None:
     return None
 
 
+# A server with users (MLflow's basic-auth app) answers these for a request it refuses.
+ACCESS_REFUSED = ("UNAUTHENTICATED", "PERMISSION_DENIED")
+
+
+def access_refused_line(error: Exception, uri: str) -> str | None:
+    """The one line for a tracking server that refuses this user (MLflow's basic-auth app: MLflow's client
+    sends MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, else those of ~/.mlflow/credentials), or
+    None for another failure. The user is named, the password never."""
+    from mlflow.utils.credentials import read_mlflow_creds
+
+    code = getattr(error, "error_code", None)
+    user = read_mlflow_creds().username or ""  # (the variables, else ~/.mlflow/credentials)
+    if code == "UNAUTHENTICATED" and not user:
+        return (
+            f"MLflow tracking server {uri} asks for a user: set MLFLOW_TRACKING_USERNAME and "
+            f"MLFLOW_TRACKING_PASSWORD to an account of it (its admin creates one)"
+        )
+    if code == "UNAUTHENTICATED":
+        return (
+            f"MLflow tracking server {uri} refused user {user!r}: MLFLOW_TRACKING_USERNAME or "
+            f"MLFLOW_TRACKING_PASSWORD is wrong"
+        )
+    if code == "PERMISSION_DENIED":
+        return (
+            f"MLflow tracking server {uri} does not let user {user!r} write to experiment {EXPERIMENT!r}: "
+            f"its admin grants EDIT on it, or use an account that has it"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def access_checked(uri: str):
+    """Inside the block, a request the tracking server refuses for this user is a UserError naming why."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except MlflowException as e:
+        line = access_refused_line(e, uri)
+        if line is None:
+            raise
+        raise UserError(line) from None
+
+
 def _process_start(pid: int) -> str | None:
     """The start time of a live process (clock ticks since boot), or None: with the pid, it names one process."""
     try:
@@ -340,7 +384,9 @@ def experiment(root: Path):
         location = (root / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
         try:
             experiment_id = client.create_experiment(EXPERIMENT, artifact_location=location)
-        except mlflow.exceptions.MlflowException:  # created meanwhile by a parallel stage
+        except mlflow.exceptions.MlflowException as e:  # created meanwhile by a parallel stage
+            if e.error_code in ACCESS_REFUSED:
+                raise
             experiment_id = client.get_experiment_by_name(EXPERIMENT).experiment_id
     else:
         experiment_id = exp.experiment_id
@@ -371,10 +417,14 @@ def record_stage_end(label: str, code: int) -> str | None:
         return None
     killed = code in (143, 130, -15, -2)
     root = runtime.workspace()
-    client, experiment_id = experiment(root)
-    lock = parent_lock(root)
-    parent = _parent_run(client, experiment_id, group, lock)
-    _end_parent(client, parent, label, "KILLED" if killed else "FAILED", lock)
+    try:
+        with access_checked(tracking_uri(root)):
+            client, experiment_id = experiment(root)
+            lock = parent_lock(root)
+            parent = _parent_run(client, experiment_id, group, lock)
+            _end_parent(client, parent, label, "KILLED" if killed else "FAILED", lock)
+    except UserError:  # refused: the stage said so as it started, and nothing can be marked
+        return None
     return parent
 
 
@@ -450,41 +500,42 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
     root = runtime.workspace()
     uri = tracking_uri(root)
     mlflow.set_tracking_uri(uri)
-    client, experiment_id = experiment(root)
-    close_orphaned_runs(client, experiment_id, stage)
-    leftovers = leftover_files(root, uri)
-    group = pipeline_run_id()
-    parent = None
-    lock = parent_lock(root)
-    if group:
-        parent = _parent_run(client, experiment_id, group, lock)
-    all_tags = {
-        "stage": stage,
-        "git_commit": git_commit(),
-        "inputs_hash": inputs_hash,
-        "world_size": str(rt.world_size),
-        "device": str(rt.device),
-        "host": platform.node(),
-        # the process that owns the run: a later start finds it gone if it was killed (close_orphaned_runs)
-        "pid": str(os.getpid()),
-        "pid_start": _process_start(os.getpid()) or "",
-        "pid_space": pid_space(),
-        # kernels, and so the last digits of results, depend on these
-        **{k: ",".join(v) if isinstance(v, list) else v for k, v in runtime.cpu_info().items()},
-        **({"pipeline_run": group} if group else {}),
-        **({"mlflow.parentRunId": parent} if parent else {}),
-        **(tags or {}),
-    }
-    # A stage run once per item (eval_perplexity@pretrain, finetune_qlora@nf4) is named with its item,
-    # as the launcher passes it on.
-    label = os.environ.get("PIPELINE_STAGE", "")
-    run_name = label if label.partition("@")[0] == stage else stage
-    run = client.create_run(experiment_id, run_name=run_name, tags=resolve_tags(all_tags))
-    run_id = run.info.run_id
-    values = {k: json.dumps(v) if isinstance(v, (list, tuple)) else v for k, v in flatten(params).items()}
-    items = [Param(k, str(v)) for k, v in values.items()]
-    for i in range(0, len(items), 100):
-        client.log_batch(run_id, params=items[i : i + 100])
+    with access_checked(uri):  # a server with users: the account and its permission, before any compute
+        client, experiment_id = experiment(root)
+        close_orphaned_runs(client, experiment_id, stage)
+        leftovers = leftover_files(root, uri)
+        group = pipeline_run_id()
+        parent = None
+        lock = parent_lock(root)
+        if group:
+            parent = _parent_run(client, experiment_id, group, lock)
+        all_tags = {
+            "stage": stage,
+            "git_commit": git_commit(),
+            "inputs_hash": inputs_hash,
+            "world_size": str(rt.world_size),
+            "device": str(rt.device),
+            "host": platform.node(),
+            # the process that owns the run: a later start finds it gone if it was killed (close_orphaned_runs)
+            "pid": str(os.getpid()),
+            "pid_start": _process_start(os.getpid()) or "",
+            "pid_space": pid_space(),
+            # kernels, and so the last digits of results, depend on these
+            **{k: ",".join(v) if isinstance(v, list) else v for k, v in runtime.cpu_info().items()},
+            **({"pipeline_run": group} if group else {}),
+            **({"mlflow.parentRunId": parent} if parent else {}),
+            **(tags or {}),
+        }
+        # A stage run once per item (eval_perplexity@pretrain, finetune_qlora@nf4) is named with its item,
+        # as the launcher passes it on.
+        label = os.environ.get("PIPELINE_STAGE", "")
+        run_name = label if label.partition("@")[0] == stage else stage
+        run = client.create_run(experiment_id, run_name=run_name, tags=resolve_tags(all_tags))
+        run_id = run.info.run_id
+        values = {k: json.dumps(v) if isinstance(v, (list, tuple)) else v for k, v in flatten(params).items()}
+        items = [Param(k, str(v)) for k, v in values.items()]
+        for i in range(0, len(items), 100):
+            client.log_batch(run_id, params=items[i : i + 100])
     end = {"parent": parent, "label": run_name, "lock": str(lock)}
     sender = Sender(client, run_id, uri, root / UNSENT / f"{run_id}.jsonl", {"stage": stage}, leftovers)
     tracker = Tracker(run_id, sender)

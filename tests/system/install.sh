@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Debian packages the system tests need: SLURM (two nodes in network namespaces), podman, a browser. Idempotent; as root.
+# Debian packages the system tests need: SLURM (two nodes in network namespaces), an SSH server (a DVC
+# remote on the second node), podman, a browser. Idempotent; as root.
 #   bash tests/system/install.sh            # everything
-#   bash tests/system/install.sh slurm      # one group: slurm | containers | browser
+#   bash tests/system/install.sh slurm      # one group: slurm | ssh | containers | browser
 set -uo pipefail
 declare -A GROUPS_=(
   [slurm]="slurm-wlm munge"
+  [ssh]="openssh-server"
   [containers]="podman runc debootstrap"
   [browser]="chromium"
 )
-want=("${@:-slurm containers browser}")
+want=("${@:-slurm ssh containers browser}")
 [ "$(id -u)" = 0 ] || { echo "install.sh: not root, nothing installed"; exit 0; }
 command -v apt-get >/dev/null || { echo "install.sh: no apt-get, nothing installed"; exit 0; }
 pkgs=()
