@@ -175,9 +175,11 @@ def download(source: str, name: str, version: int) -> Path:
     if not dest.is_dir():
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{version}.tmp-", dir=dest.parent))
-        mlflow.artifacts.download_artifacts(source, dst_path=str(tmp), tracking_uri=track.tracking_uri())
+        # (the artifact lands under its own name in the folder given: tmp/model/config.json ...)
+        got = Path(mlflow.artifacts.download_artifacts(source, dst_path=str(tmp), tracking_uri=track.tracking_uri()))
         try:
-            tmp.rename(dest)
+            got.rename(dest)
         except OSError:  # another rank got there first: the same files
-            shutil.rmtree(tmp, ignore_errors=True)
+            pass
+        shutil.rmtree(tmp, ignore_errors=True)
     return dest
