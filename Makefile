@@ -12,7 +12,7 @@ export PIPELINE_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shar
 TORCH_INDEX := $(if $(shell command -v nvidia-smi),,--extra-index-url https://download.pytorch.org/whl/cpu)
 MLFLOW_PORT ?= 5000
 
-.PHONY: run lint test test-system venv dag bench mlflow-ui html-report plots exp-show push lock clean
+.PHONY: run lint test test-system venv dag bench mlflow-ui html-report plots exp-show push pull lock clean
 
 # Packages installed without byte-code, then compiled by compileall on every core (pip compiles one file
 # after another: half of the install on 2 cores). torch ships one test helper in Python 3.12 syntax, which
@@ -103,6 +103,11 @@ plots: $(PLOTS_TEMPLATE)
 # (pipelines/share.py).
 push:
 	python -m pipelines.share push
+
+# Elsewhere: dvc pull, then every out hashed from its bytes against dvc.lock; a damaged object of DVC's
+# cache is fetched again (pipelines/share.py).
+pull:
+	python -m pipelines.share pull
 
 # Re-resolve requirements.in and pin the result (torch stays at the version the Makefile installs).
 lock: $(STAMP)

@@ -176,27 +176,29 @@ def current_section(stage: str, root: Path) -> dict:
     return config.as_dict(config.load(cls, name, root / "params.yaml", overrides))
 
 
-def rehash_outs(root: Path, lock: dict, r: Report) -> None:
-    """Each DVC-cached out of dvc.lock hashed from its bytes now, as DVC hashes it (a folder: the md5 of
-    its file listing), against dvc.lock; a folder that differs is named down to its files, from the
-    listing in DVC's cache."""
+def differing_outs(root: Path, lock: dict) -> dict[str, list[tuple[str, str | None, Path | None]]]:
+    """{out path: [(file, the md5 dvc.lock records for it or None, its damaged object in DVC's cache or
+    None)]} of each DVC-cached out of dvc.lock whose bytes now differ from the record (a missing out: one
+    entry naming the out itself, with no md5). Each out is hashed as DVC hashes it (a folder: the md5 of
+    its file listing), without DVC's state database; a folder that differs is named down to its files,
+    from the listing in DVC's cache."""
     from dvc.repo import Repo
     from dvc_data.hashfile.build import build
     from dvc_data.hashfile.db import HashFileDB
 
+    found: dict[str, list[tuple[str, str | None, Path | None]]] = {}
     with Repo(str(root)) as repo:
         cache = repo.cache.local
-        # the cache's folder without its state database (the recorded hashes --rehash must not reuse)
+        # the cache's folder without its state database (the recorded hashes must not be reused)
         stateless = HashFileDB(cache.fs, cache.path, read_only=True, hash_name=cache.hash_name)
-        for path, (stage, md5) in sorted(lock_outs(lock).items()):
+        for path, (_, md5) in sorted(lock_outs(lock).items()):
             if path.startswith(f"{MEASURED_DIR}/"):
                 continue  # (not cached: git holds it, and what it measured differs from run to run)
             if not (root / path).exists():
-                r.bad("outs", f"{path} is missing", f"dvc checkout {path} (or dvc pull {path})")
+                found[path] = [(path, None, None)]
                 continue
             _, _, obj = build(stateless, str(root / path), repo.fs, "md5", ignore=repo.dvcignore, dry_run=True)
             if obj.hash_info.value == md5:
-                r.ok("outs", f"{path} {md5} (rehashed)")
                 continue
             recorded = {"": md5}  # (file path below the out: md5 recorded)
             if md5.endswith(".dir"):
@@ -208,20 +210,37 @@ def rehash_outs(root: Path, lock: dict, r: Report) -> None:
             for rel in sorted(set(now) | set(recorded)):
                 if now.get(rel) == recorded.get(rel):
                     continue
-                name = f"{path}/{rel}" if rel else path
                 want = recorded.get(rel)
-                damaged = want is not None and file_md5(Path(cache.oid_to_path(want))) != want
-                if want is None:
-                    what, mend = "is not in the listing dvc.lock records", f"dvc checkout --relink {path}"
-                elif damaged:
-                    obj_path = Path(cache.oid_to_path(want))
-                    shown = obj_path.relative_to(root) if obj_path.is_relative_to(root) else obj_path
-                    what = f"differs from dvc.lock (md5 {want}), and so does DVC's cache object {shown}"
-                    mend = f"rm -f {name} {shown} && dvc pull {path} (or dvc repro -f -s {stage})"
-                else:
-                    what = f"differs from dvc.lock (md5 {want}); DVC's cache holds the recorded bytes"
-                    mend = f"dvc checkout --relink {path} (or dvc repro -f -s {stage})"
-                r.bad("outs", f"{name} {what}", mend)
+                obj_path = Path(cache.oid_to_path(want)) if want is not None else None
+                damaged = obj_path if obj_path is not None and file_md5(obj_path) != want else None
+                found.setdefault(path, []).append((f"{path}/{rel}" if rel else path, want, damaged))
+    return found
+
+
+def rehash_outs(root: Path, lock: dict, r: Report) -> None:
+    """Each DVC-cached out of dvc.lock hashed from its bytes now against dvc.lock (differing_outs), each
+    file that differs named with its mend."""
+    outs = lock_outs(lock)
+    found = differing_outs(root, lock)
+    for path, (_, md5) in sorted(outs.items()):
+        if path.startswith(f"{MEASURED_DIR}/"):
+            continue
+        if path not in found:
+            r.ok("outs", f"{path} {md5} (rehashed)")
+            continue
+        stage = outs[path][0]
+        for name, want, damaged in found[path]:
+            if want is None and name == path:
+                r.bad("outs", f"{path} is missing", f"dvc checkout {path} (or dvc pull {path})")
+            elif want is None:
+                r.bad("outs", f"{name} is not in the listing dvc.lock records", f"dvc checkout --relink {path}")
+            elif damaged is not None:
+                shown = damaged.relative_to(root) if damaged.is_relative_to(root) else damaged
+                what = f"differs from dvc.lock (md5 {want}), and so does DVC's cache object {shown}"
+                r.bad("outs", f"{name} {what}", f"rm -f {name} {shown} && dvc pull {path} (or dvc repro -f -s {stage})")
+            else:
+                what = f"differs from dvc.lock (md5 {want}); DVC's cache holds the recorded bytes"
+                r.bad("outs", f"{name} {what}", f"dvc checkout --relink {path} (or dvc repro -f -s {stage})")
 
 
 def file_md5(path: Path) -> str | None:

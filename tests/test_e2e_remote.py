@@ -2,8 +2,8 @@
 shared ci run (tests/shared_run.py): `make push` there; a fresh clone of the same commit pulls and nothing
 re-runs; a clone without dvc.lock's records restores every stage from the run cache without running one;
 a damaged object of DVC's cache, or an out changed in place, which DVC's own checks pass, stops a stage
-that reads it before it starts, and is named by `python -m pipelines.verify --rehash` with the command that
-mends it; a push killed half-way is completed by the next one."""
+that reads it before it starts, is named by `python -m pipelines.verify --rehash` with the command that
+mends it, and is mended by `make pull`; a push killed half-way is completed by the next one."""
 
 from __future__ import annotations
 
@@ -87,6 +87,16 @@ def test_a_fresh_clone_pulls_and_nothing_reruns_and_rehash_names_what_dvc_misses
     assert "data/train_gnn/metrics.json differs from dvc.lock" in edited
     assert "DVC's cache holds the recorded bytes" in edited
     sh(f"{mend_of(damaged)} && {mend_of(edited)}", other)
+    assert "every link holds" in sh("python -m pipelines.verify --rehash", other)
+
+    # `make pull` mends both itself: the damaged object fetched again, the edited file checked out again.
+    flip_first_byte(obj)
+    sh("rm -rf data/memory_study && dvc checkout", other)
+    flip_first_byte(other / "data/train_gnn/metrics.json")
+    out = sh("python -m pipelines.share pull", other)  # (make pull)
+    assert f"data/memory_study/metrics.json: DVC's cache object {obj} is damaged; fetching it again" in out, out
+    assert "data/train_gnn/metrics.json is not what dvc.lock records; checking it out again" in out, out
+    assert "pulled: every out is what dvc.lock records" in out
     assert "every link holds" in sh("python -m pipelines.verify --rehash", other)
 
 
