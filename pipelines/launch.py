@@ -297,10 +297,7 @@ def damaged_input(label: str, root: Path) -> str | None:
         return None
     if os.environ.get("PIPELINE_VERIFY_INPUTS", "on").strip().lower() == "off":
         return None
-    import hashlib
-    import json
-
-    from pipelines import commit
+    from pipelines import commit, verify
 
     table = load_table()
     name, _, item = label.partition("@")
@@ -308,41 +305,31 @@ def damaged_input(label: str, root: Path) -> str | None:
     stages = {n for st in table.values() for n, _ in st.instances()}
     with contextlib.chdir(root), commit.commit_lock():  # (Snakemake's jobs commit beside this one)
         try:
-            lock = commit.parse_yaml(commit.LOCK_FILE.read_text())
-        except (OSError, ValueError, commit.yaml.YAMLError):  # none yet, or cut short (Snakemake repairs it)
-            return None
+            outs = verify.lock_outs(commit.parse_yaml(commit.LOCK_FILE.read_text()) or {})
+        except (OSError, ValueError, AttributeError, TypeError, commit.yaml.YAMLError):
+            return None  # none yet, or cut short (Snakemake repairs it)
     cache = dvc_cache_dir(root)
-    recorded = lock.get("stages") if isinstance(lock, dict) else None
-    for producer, entry in sorted((recorded if isinstance(recorded, dict) else {}).items()):
-        outs = entry.get("outs") if producer in stages and isinstance(entry, dict) else None
-        for out in outs if isinstance(outs, list) else ():
-            if not isinstance(out, dict) or not isinstance(out.get("path"), str):
+    for out, (producer, md5) in sorted(outs.items()):
+        path = out.rstrip("/")
+        inside = [d for d in deps if d == path or d.startswith(f"{path}/") or path.startswith(f"{d}/")]
+        if producer not in stages or not commit.HASH.fullmatch(str(md5)) or not inside:
+            continue
+        files = {path: md5}
+        if md5.endswith(".dir"):  # a folder: DVC's listing of it, in its cache
+            listing = verify.read_json(cache / "files/md5" / md5[:2] / md5[2:])
+            if not isinstance(listing, list):
                 continue
-            path, md5 = out["path"].rstrip("/"), str(out.get("md5", ""))
-            inside = [d for d in deps if d == path or d.startswith(f"{path}/") or path.startswith(f"{d}/")]
-            if not commit.HASH.fullmatch(md5) or not inside:
+            files = {f"{path}/{e['relpath']}": e["md5"] for e in listing}
+        for file, want in sorted(files.items()):
+            if not any(file == d or file.startswith(f"{d}/") or path.startswith(f"{d}/") for d in inside):
                 continue
-            files = {path: md5}
-            if md5.endswith(".dir"):  # a folder: DVC's listing of it, in its cache
-                try:
-                    listing = json.loads((cache / "files/md5" / md5[:2] / md5[2:]).read_text())
-                    files = {f"{path}/{e['relpath']}": e["md5"] for e in listing}
-                except (OSError, ValueError, KeyError, TypeError):
-                    continue
-            for file, want in sorted(files.items()):
-                if not any(file == d or file.startswith(f"{d}/") or path.startswith(f"{d}/") for d in inside):
-                    continue
-                try:
-                    with open(root / file, "rb") as fh:
-                        now = hashlib.file_digest(fh, "md5").hexdigest()
-                except OSError:
-                    continue
-                if now != want:
-                    return (
-                        f"{file}, an input made by {producer}, is not what dvc.lock records (md5 {want}, its bytes "
-                        f"{now}): a damaged DVC cache object or a change made in place; `python -m pipelines.verify "
-                        f"--rehash` names the mend, or re-run {producer}"
-                    )
+            now = verify.file_md5(root / file)
+            if now is not None and now != want:
+                return (
+                    f"{file}, an input made by {producer}, is not what dvc.lock records (md5 {want}, its bytes "
+                    f"{now}): a damaged DVC cache object or a change made in place; `python -m pipelines.verify "
+                    f"--rehash` names the mend, or re-run {producer}"
+                )
     return None
 
 

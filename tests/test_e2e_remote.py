@@ -70,9 +70,7 @@ def test_a_fresh_clone_pulls_and_nothing_reruns_and_rehash_names_what_dvc_misses
     entries = yaml.safe_load((other / ".dvc/cache/files/md5" / listing["md5"][:2] / listing["md5"][2:]).read_text())
     entry = next(e for e in entries if e["relpath"] == "metrics.json")
     obj = other / ".dvc/cache/files/md5" / entry["md5"][:2] / entry["md5"][2:]
-    flip_first_byte(obj)
-    sh("rm -rf data/memory_study && dvc checkout", other)
-    flip_first_byte(other / "data/train_gnn/metrics.json")
+    damage(other, obj)
     assert UP_TO_DATE in sh("dvc status", other), "DVC trusts its cache (if this changes, --rehash is a second check)"
     # A stage that reads them is not handed the damaged bytes: its launcher hashes its inputs first.
     out = sh("dvc repro --force --single-item report", other, check=False)
@@ -91,10 +89,8 @@ def test_a_fresh_clone_pulls_and_nothing_reruns_and_rehash_names_what_dvc_misses
 
     # `make pull` mends both itself: the damaged object fetched again, the edited file checked out again.
     edited_bytes = (other / "data/train_gnn/metrics.json").read_bytes()
-    flip_first_byte(obj)
+    damage(other, obj)
     flipped = obj.read_bytes()
-    sh("rm -rf data/memory_study && dvc checkout", other)
-    flip_first_byte(other / "data/train_gnn/metrics.json")
     out = sh("python -m pipelines.share pull", other)  # (make pull)
     assert f"data/memory_study/metrics.json: DVC's cache object {obj} is damaged; fetching it again" in out, out
     assert "data/train_gnn/metrics.json is not what dvc.lock records; checking it out again" in out, out
@@ -115,6 +111,14 @@ def test_a_clone_without_the_lock_records_restores_every_stage_from_the_run_cach
     assert not (other / "mlflow.db").exists() and not (other / "logs").exists()
     assert lock_stages(other / "dvc.lock") == lock_stages(origin / "dvc.lock")
     assert UP_TO_DATE in sh("dvc status", other)
+
+
+def damage(clone: Path, obj: Path) -> None:
+    """Flip a byte of DVC's cache object `obj` (data/memory_study/metrics.json's) and check the out out
+    again from it; flip a byte of data/train_gnn/metrics.json in place."""
+    flip_first_byte(obj)
+    sh("rm -rf data/memory_study && dvc checkout", clone)
+    flip_first_byte(clone / "data/train_gnn/metrics.json")
 
 
 def flip_first_byte(path: Path) -> None:
