@@ -125,7 +125,9 @@ def load_tasks(cfg: Config, data: Path, workdir: Path):
         pages.write_text("".join(json.dumps({"page": d}) + "\n" for d in docs), encoding="utf-8")
         task_yaml(workdir, pages)
         wanted["wikitext"] = LOCAL_TASK
-    manager = TaskManager(include_path=str(workdir))
+    # The harness's own task index (thousands of YAML files, seconds per process) only when a task of
+    # its own is asked: wikitext's definition is read through the include above.
+    manager = TaskManager(include_path=str(workdir), include_defaults=set(cfg.tasks) != {"wikitext"})
     for name in cfg.tasks:
         if name == "wikitext":
             continue

@@ -21,7 +21,7 @@ from test_pretrain import TINY, run
 
 from stages.common import ckpt
 
-STEPS = ["train.steps=160", "train.checkpoint_every=20"]
+STEPS = ["train.steps=80", "train.checkpoint_every=20"]  # killed after step 40: half-way
 FAIL_WITHIN_S = 120  # from the kill to the surviving node's exit
 
 

@@ -22,8 +22,10 @@ from pathlib import Path
 CONF = Path("/etc/slurm/slurm.conf")
 PARTITION = "main"
 # The plugin first asks for a job's state 40 s after submitting it, and waits 10 s longer after each
-# round that saw no job finish; 5 s keeps the tests' jobs from idling behind those waits.
-SNAKEMAKE = "snakemake --profile pipelines/profiles/slurm --slurm-init-seconds-before-status-checks 5"
+# round that saw no job finish (checks at 40, 90, 150 s ...); from 1 s (checks at 1, 12, 33, 64 s ...)
+# the tests' jobs, seconds to a minute long, idle less behind those waits (5 s left ~100 s of the
+# two-node pipeline's 270 s between a job's end and the next one's start).
+SNAKEMAKE = "snakemake --profile pipelines/profiles/slurm --slurm-init-seconds-before-status-checks 1"
 
 
 def node_line() -> str:

@@ -45,7 +45,7 @@ SERVER = f"http://{slurm.CONTROLLER_ADDRESS}:{PORT}"
 RUN_ID = "two-nodes"
 ON_TWO_NODES = ("pretrain", "finetune_qlora")
 # The lost-node test's pretrain: long enough to lose a node in the middle, after two checkpoints.
-PRETRAIN_STEPS = "pretrain:\n  train:\n    steps: 160\n    checkpoint_every: 20\n"
+PRETRAIN_STEPS = "pretrain:\n  train:\n    steps: 80\n    checkpoint_every: 20\n"
 TABLE = dag.load_table()
 STAGES = set(TABLE)  # Snakemake rules
 JOBS = [name for st in TABLE.values() for name, _ in st.instances()]  # one per foreach item
