@@ -5,7 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
-# Offline runs read raw data from a mirror laid out like shared/data (see README); use the sibling
+# Offline runs read raw data from a mirror laid out like shared/data (docs/data.md); use the sibling
 # ../shared/data when there is one and the variable is unset.
 export PIPELINE_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data))
 # The CPU build of torch where there is no NVIDIA GPU (the default wheel bundles CUDA, several GB).
@@ -39,7 +39,8 @@ run: $(STAMP)
 
 # Tests run in pytest-xdist workers, each module's tests in one worker, the longest modules first
 # (tests/conftest.py): much of a test's time is process start-up and waits that leave a core idle, so make
-# test runs more workers than a 2-core machine has cores (TEST_WORKERS, 3: 16 min of pytest where 2 took 20).
+# test runs more workers than a 2-core machine has cores (TEST_WORKERS: 3 took 16 min of pytest where 2 took 20,
+# when the suite was longer).
 # make test-system runs SYSTEM_TEST_WORKERS (3) as well: its tests wait on SLURM, heartbeats, image builds
 # and the network as much as they compute (the time limits they check leave minutes of room). 0: one process.
 TEST_WORKERS ?= 3

@@ -105,7 +105,7 @@ for st in STAGES.values():
             gpus_per_node=st.resources["gpus_per_node"],
             # SLURM counts generic resources per node.
             **({"gres": f"gpu:{st.resources['gpus_per_node']}"} if st.resources["gpus_per_node"] and not CPU_ONLY else {}),
-        # Used with --software-deployment-method apptainer (README: Containers).
+        # Used with --software-deployment-method apptainer (docs/containers.md).
         container: st.resources["container"]
         wildcard_constraints:
             item="|".join(st.foreach) or "[^/]+",

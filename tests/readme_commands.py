@@ -1,11 +1,12 @@
-"""The shell commands of README.md, each with how the tests try it.
+"""The shell commands of README.md and of every page in docs/, each with how the tests try it.
 
-Every command line of every ```bash block of the README is in `HOW`, with one of:
+Every command line of every ```bash block of those pages is in `HOW` (one entry for a command that
+several pages show), with one of:
     run      run as written in a copy of the shared ci pipeline run (tests/shared_run.py)
     check    a stage command: run there with `--check` (command line and params checked, no compute)
     make     a make target: `make -n` (the recipe resolves; nothing runs)
     marked   not run, with the reason (GPU, cluster, network, long, or run by another test)
-A README command missing from `HOW` fails tests/test_readme.py, so a new one gets tried or a reason.
+A command missing from `HOW` fails tests/test_readme.py, so a new one gets tried or a reason.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ EXP = "long: re-runs the stages after the changed param (tests/test_e2e.py runs 
 
 HOW: dict[str, tuple[str, str]] = {
     "make run": ("marked", LONG_DAG),
+    "snakemake --profile pipelines/profiles/local -n": ("run", "a dry run: after the pipeline, nothing to do"),
+    "python -m pipelines.preset ci": ("marked", "every clone the tests make runs it (tests/shared_run.py: make_clone)"),
+    "git checkout params.yaml": ("marked", "undoes a preset in the user's repository"),
     "make test": ("marked", "CI's own command"),
     "source .venv/bin/activate": ("marked", "shell set-up"),
     "snakemake --profile pipelines/profiles/local": ("marked", LONG_DAG),
@@ -154,25 +158,51 @@ HOW: dict[str, tuple[str, str]] = {
         "network: the task's dataset is on the hub (tests/test_harness_parity.py runs the task on the mirror's copy)",
     ),
     "make test-system": ("marked", "root: CI runs it after make test"),
-    'python -m pytest tests --ignore=tests/system -m "not e2e"': ("marked", "the test suite itself"),
+    'python -m pytest tests --ignore=tests/system -m "not e2e and not long"': ("marked", "the test suite itself"),
     "make bench": ("marked", "long: the benchmarks (minutes each)"),
     "bench/gpu_check.sh OUTDIR": ("marked", "GPU"),
     "python bench/data_scale.py --mb 4096": ("marked", "long: a 4 GB corpus (test_data_scale runs it small)"),
     "bench/gpu_check.sh --pack": ("marked", "network: downloads wheels"),
     "bench/gpu_check.sh out/": ("marked", "GPU"),
     "bench/gpu_check.sh --dry out/": ("marked", "run by tests/test_bench.py"),
+    # docs/adding-a-stage.md
+    "make dag": ("make", ""),
+    "python -m pipelines.dag check": ("run", ""),
+    "make lint": ("make", ""),
+    "dvc dag --mermaid": ("run", ""),
+    # docs/troubleshooting.md
+    "apt-get install python3.11-venv": ("marked", "a system package: root and network"),
+    "rm -rf .venv": ("marked", "removes the environment the tests run in"),
+    "make venv": ("make", ""),
+    "PIPELINE_DATA_MIRROR=/path/to/mirror make run": ("marked", LONG_DAG),
+    "tail -n 20 logs/pretrain.log": ("run", ""),
+    "ls .snakemake/log/": ("run", "Snakemake's logs of the shared run"),
+    "PIPELINE_RESUME=fresh make run": ("marked", LONG_DAG),
+    "python -m stages.pretrain --check train.micro_batch_size=4 train.activation_checkpointing=full": ("check", ""),
+    "snakemake -n": ("run", "a dry run: after the pipeline, nothing to do"),
+    "python -m pipelines.sync": ("run", "aligns file times with dvc status; nothing to change after the pipeline"),
+    'echo "$MLFLOW_TRACKING_URI"': ("run", ""),
+    "python -m stages.common.track resend": ("run", "nothing unsent after the pipeline"),
 }
 
 
-def commands(readme: Path = ROOT / "README.md") -> list[str]:
-    """Every command line of the README's bash blocks: comments dropped, continuations joined."""
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def page_commands(page: Path) -> list[str]:
+    """Every command line of the page's bash blocks: comments dropped, continuations joined."""
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", readme.read_text(), re.S):
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
         for line in re.sub(r"\\\n\s*", "", block).splitlines():
             command = strip_comment(line).strip()
             if command:
                 out.append(command)
     return out
+
+
+def commands() -> list[str]:
+    """Every command of every page, once, in the order the pages first show them."""
+    return list(dict.fromkeys(c for page in PAGES for c in page_commands(page)))
 
 
 def strip_comment(line: str) -> str:

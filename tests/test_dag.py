@@ -89,13 +89,22 @@ def test_the_import_contracts_hold_and_a_broken_layer_is_named(tmp_path):
     assert "stages.common.losses -> stages.pretrain" in broken.stdout, broken.stdout
 
 
-def test_the_readme_draws_the_current_graph(tmp_path):
-    """The README's mermaid block is what `dvc dag --mermaid` prints for this dvc.yaml."""
+def test_the_docs_draw_the_current_graph(tmp_path):
+    """docs/pipeline.md's mermaid block is what `dvc dag --mermaid` prints for this dvc.yaml, and the
+    README's picture names every stage and foreach item."""
     repo = copy_repo(tmp_path)
     shown = subprocess.run(["dvc", "dag", "--mermaid"], cwd=repo, capture_output=True, text=True, check=True).stdout
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("```mermaid\n", 1)[1].split("```", 1)[0]
-    assert block.strip() == shown.strip(), "paste `dvc dag --mermaid` into the README's mermaid block"
+    page = (ROOT / "docs/pipeline.md").read_text()
+    block = page.split("```mermaid\n", 1)[1].split("```", 1)[0]
+    assert block.strip() == shown.strip(), "paste `dvc dag --mermaid` into docs/pipeline.md's mermaid block"
+    picture = (ROOT / "README.md").read_text().split("```\n", 2)[1]
+    drawn = set(re.findall(r"[a-z_]+(?:@\{[a-z0-9_,]+\}|@[a-z0-9_]+)?", picture))
+    for st in dag.load_table().values():
+        for job, _ in st.instances():
+            stage, _, item = job.partition("@")
+            assert job in drawn or any(
+                d.startswith(f"{stage}@{{") and item in d[len(stage) + 2 : -1].split(",") for d in drawn
+            ), f"the README's picture of the pipeline does not name {job}"
 
 
 def test_dvc_and_snakemake_see_the_same_stages():

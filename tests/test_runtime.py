@@ -485,3 +485,30 @@ def test_a_stage_ends_after_its_threads_exit_handlers_and_output_but_skips_the_t
     assert (tmp_path / "handler").read_text() == "ran" and (tmp_path / "thread").read_text() == "ended"
     assert not (tmp_path / "teardown").exists()
     assert proc.stderr.strip().splitlines()[-1:] == (["error: the input is wrong"] if refuse else [])
+
+
+def test_a_refusal_under_a_bare_torchrun_is_said_once_even_when_rank_0_is_last_to_refuse(tmp_path):
+    """Every rank refuses the same input and rank 0 prints the line. Rank 1 refusing first (here rank 0 is
+    3 s behind it) would have torchrun stop rank 0 before its line is out: rank 1 waits for it instead."""
+    script = tmp_path / "refuse.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, time
+            from stages.common import config, stage
+
+            def main():
+                if os.environ["RANK"] == "0":
+                    time.sleep(3)
+                raise config.UserError("the input is wrong")
+
+            stage.entry(main)
+            """
+        )
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: the input is wrong") == 1, proc.stderr[-3000:]

@@ -32,12 +32,14 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stages.common import atomic, ckpt, config, digest, provenance, registry, runtime, track
 
 STOPPED_EXIT_CODE = 143
+REFUSAL_GRACE_S = 10.0  # how long a rank other than 0 that refused its input waits for rank 0 to say why
 if TYPE_CHECKING:  # (the training stack is the training stages' own import)
     from stages.common.train_config import TrainConfig
 
@@ -330,9 +332,13 @@ def entry(main) -> None:
     try:
         main()
     except config.UserError as e:
+        runtime.leave_last_line(2, f"error: {e}")
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
-        runtime.leave_last_line(2, f"error: {e}")
+        else:
+            # Every rank refuses the same input and rank 0 says so. A rank that ended first would have a bare
+            # torchrun stop rank 0, maybe before its line is out: the others wait, and are stopped once it is.
+            time.sleep(REFUSAL_GRACE_S)
         exit_now(2)
     exit_now(0)
 

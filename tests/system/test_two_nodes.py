@@ -87,7 +87,7 @@ def server(two_nodes, tmp_path_factory):
         f"database_uri = sqlite:///{state}/auth.db\n"
         f"admin_username = {ADMIN[0]}\nadmin_password = {ADMIN[1]}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
-        "auth_cache_ttl_seconds = 60\n"  # (else each request costs a password-hash check: README)
+        "auth_cache_ttl_seconds = 60\n"  # (else each request costs a password-hash check: docs/reproducing.md)
     )
     cmd = [str(BIN / "mlflow"), "server", "--app-name", "basic-auth"]
     cmd += ["--backend-store-uri", f"sqlite:///{state}/mlflow.db"]
