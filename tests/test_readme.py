@@ -222,3 +222,9 @@ def test_the_layout_names_every_module():
     }
     assert not modules - named, f"docs/pipeline.md's layout does not name {sorted(modules - named)}"
     assert not named - modules, f"docs/pipeline.md's layout names modules that are gone: {sorted(named - modules)}"
+
+
+def test_the_readme_links_every_page_of_docs():
+    linked = {target.partition("#")[0] for target in re.findall(r"\]\((docs/[^)\s]+)\)", prose(ROOT / "README.md"))}
+    pages = {f"docs/{page.name}" for page in (ROOT / "docs").glob("*.md")}
+    assert not pages - linked, f"README.md links no page {sorted(pages - linked)}"
