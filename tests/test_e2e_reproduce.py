@@ -11,7 +11,8 @@ import yaml
 from shared_run import copy_of_run, sh
 from test_e2e import FULL, dvc_ran, mlflow_groups
 
-pytestmark = pytest.mark.e2e
+# (long: make test-system has the time; it reads the shared run make test made)
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 
 @pytest.fixture(scope="module")
