@@ -11,8 +11,7 @@ import yaml
 from shared_run import copy_of_run, sh
 from test_e2e import FULL, dvc_ran, mlflow_groups
 
-# (long: make test-system has the time; it reads the shared run make test made)
-pytestmark = [pytest.mark.e2e, pytest.mark.long]
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
