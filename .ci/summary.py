@@ -1,6 +1,6 @@
 """Print CI's phase times (.ci/run writes them to REPORTS/phases.tsv) and, for each pytest phase, its
-pytest time, its counts and its slowest tests (setup, call and teardown together) from its JUnit XML;
-then the slowest shell commands the tests ran, and why the shared ci run was made again, if it was.
+pytest time, its counts and its slowest tests (setup, call and teardown together) from its JUnit XML,
+and the tests that used the most CPU (tests/conftest.py writes <report>.cpu.tsv); then the slowest shell commands the tests ran, and why the shared ci run was made again, if it was.
 
     python3 .ci/summary.py REPORTS [--slowest N]
 """
@@ -31,6 +31,13 @@ def pytest_figures(junit: Path, slowest: int) -> list[str]:
     for case in cases[:slowest]:
         name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
         lines.append(f"    {float(case.get('time', 0)):7.1f} s  {name}")
+    cpu = Path(f"{junit}.cpu.tsv")  # tests/conftest.py: CPU seconds per test, its processes included
+    if cpu.is_file():
+        rows = [line.split("\t") for line in cpu.read_text().splitlines() if line.count("\t") == 1]
+        total = sum(float(seconds) for seconds, _ in rows)
+        lines.append(f"    CPU {minutes(total)} in all (tests and the processes they waited for); the most:")
+        for seconds, test in sorted(rows, key=lambda x: -float(x[0]))[:slowest]:
+            lines.append(f"    {float(seconds):7.1f} s  {test}")
     return lines
 
 

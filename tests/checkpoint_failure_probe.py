@@ -6,7 +6,9 @@
 Rank 1's stager raises MemoryError. Every rank must leave the save with an error (rank 1 its own, rank 0
 "another rank failed"), with no checkpoint in flight and no folder left behind, and the ranks must still
 agree on their collectives afterwards (an all-reduce and a synchronous save that both complete): none
-goes on to train while another removes the folder. Exits 0 when all of that holds.
+goes on to train while another removes the folder. No rank may have started writing that save (a write
+started on rank 0 goes on in its thread and can make the folder again after it was removed). Exits 0
+when all of that holds.
 """
 
 from __future__ import annotations
@@ -16,12 +18,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
 
 from stages.common import ckpt, runtime
 
 
 def main(folder: Path) -> None:
     rt = runtime.init(timeout_s=60)
+    started = []  # the folders this rank's DCP writes began to lay out
+    prepare = FileSystemWriter.prepare_local_plan
+
+    def recorded(self, plan):
+        started.append(str(self.path))
+        return prepare(self, plan)
+
+    FileSystemWriter.prepare_local_plan = recorded
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -44,6 +55,7 @@ def main(folder: Path) -> None:
     else:
         raise AssertionError(f"rank {rt.rank}: the save returned though rank 1's copy failed")
     assert saver.pending is None
+    assert started == [], f"rank {rt.rank} started writing a save that another rank's failure abandoned: {started}"
     t = torch.ones(1)
     dist.all_reduce(t)  # the ranks still meet on the same collective
     assert t.item() == 2

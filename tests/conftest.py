@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -46,6 +47,30 @@ def pytest_collection_modifyitems(config, items) -> None:
     `--no-loadscope-reorder` (modules handed out in this order)."""
     rank = {name: i for i, name in enumerate(ORDER)} | {name: len(ORDER) + 1 + i for i, name in enumerate(LAST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(ORDER)))
+
+
+# CPU seconds of each test (its own process and every process it started and waited for, their children
+# included), beside the JUnit report when there is one (<report>.cpu.tsv: .ci/summary.py prints the tests
+# that use most). On 2 busy cores a test's wall time says little about its cost; this does.
+CPU_AT_SETUP = pytest.StashKey[float]()
+
+
+def cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    item.stash[CPU_AT_SETUP] = cpu_seconds()
+
+
+@pytest.hookimpl(trylast=True)  # (after the fixtures' teardown)
+def pytest_runtest_teardown(item, nextitem) -> None:
+    report = item.config.getoption("xmlpath", None)
+    if report and CPU_AT_SETUP in item.stash:
+        with open(f"{report}.cpu.tsv", "a") as log:  # (one short line per write: whole lines from any worker)
+            log.write(f"{cpu_seconds() - item.stash[CPU_AT_SETUP]:.1f}\t{item.nodeid}\n")
 
 
 # The tiny Llama the stage tests train (2 layers of width 64, context 64): pretrain overrides.

@@ -378,18 +378,37 @@ class PendingSave:
     """The background write of the model and optimizer state (asynchronous saves)."""
 
 
+class _Staged:
+    """An AsyncStager for a state already copied to host memory (Checkpointer.save stages it itself):
+    async_save writes what it is given."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_STAGED = _Staged()
+
+
 class Checkpointer:
     """A training run's checkpoints in `folder`: resumes the train state (steps done, history, RNG state,
     fp16's gradient scaler) from the newest intact checkpoint, and decides which steps save: every
     `every` steps before the last one (0: none), and the step a stop signal ended the run on. Keeps the
     newest `keep`. The stage holds the folder's lock (stage.checkpoints) around the run.
 
-    `asynchronous`: a due step's save only copies the model and optimizer state to host memory (DCP's
-    async_save with a DefaultStager kept for the run: every tensor copied, CPU ones too, before it
-    returns) and takes the rest of the train state; a background thread writes the copy while training
-    goes on, its collectives on a gloo process group of their own (they never interleave with the
-    loop's). The loop asks every step, in the all-reduce it makes anyway, whether some rank still writes
-    (`writing`); the first step at which none does, every rank publishes it (`finish`). At most one save
+    `asynchronous`: a due step's save only copies the model and optimizer state to host memory (a DCP
+    DefaultStager kept for the run: every tensor copied, CPU ones too; every rank told whether any copy failed
+    before DCP's async_save starts the write) and takes the rest of the train state; a background thread writes
+    the copy while training goes on, its collectives on a gloo process group of their own (they never interleave
+    with the loop's). The loop asks every step, in the all-reduce it makes anyway, whether some rank still
+    writes (`writing`); the first step at which none does, every rank publishes it (`finish`). At most one save
     is in flight: the next save, a stop's save (synchronous) and the end of training wait for it first."""
 
     def __init__(
@@ -468,32 +487,46 @@ class Checkpointer:
             extra["grad_scaler"] = scaler.state_dict()
         tmp = atomic.begin(final, rt)
         pending = PendingSave(state.step, final, tmp, extra)
+        tensors = {"model": model_sd, "optim": optim_sd}
+        asynchronous = self.asynchronous and not wait
         error = None
+        if asynchronous:
+            # The copy to host memory first, on every rank, and every rank told whether it failed (it can
+            # fail on one rank alone) before any rank starts a write: a write started would go on in its
+            # thread, and make the folder again after the others removed it.
+            try:
+                tensors = self.stager.stage(tensors)
+            except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+                error = e
+            self._abandon_if_any_failed(error, final, tmp)
         try:
-            if self.asynchronous and not wait:
+            if asynchronous:
                 from torch.distributed.checkpoint import FileSystemWriter
 
                 pending.write = dcp.async_save(
-                    {"model": model_sd, "optim": optim_sd},
+                    tensors,
                     # The state is in host memory already: no copy ahead from a GPU, which in the writing
                     # thread (whose current device is GPU 0) would open a CUDA context on GPU 0 per rank.
                     storage_writer=FileSystemWriter(str(tmp / "state"), per_thread_copy_ahead=0),
                     process_group=self.group,
-                    async_stager=self.stager,
+                    async_stager=_STAGED,
                 )
             else:
-                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+                dcp.save(tensors, checkpoint_id=str(tmp / "state"))
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
             error = e
-        # Every rank learns whether some rank failed (copying the state to host memory can fail on one
-        # rank alone): then all remove the folder together and raise, none goes on to train.
-        if runtime.any_rank(error is not None):
-            atomic.publish(final, tmp, rt, ok=False)
-            raise error or RuntimeError(f"another rank failed while saving {final}; it was not written")
+        self._abandon_if_any_failed(error, final, tmp)
         self.pending = pending
         if pending.write is None:
             self.finish()
         return final
+
+    def _abandon_if_any_failed(self, error: Exception | None, final: Path, tmp: Path) -> None:
+        """On every rank: when some rank's part of a save failed, all remove its folder together and raise
+        (this rank's error, or that another failed); none goes on to train."""
+        if runtime.any_rank(error is not None):
+            atomic.publish(final, tmp, self.rt, ok=False)
+            raise error or RuntimeError(f"another rank failed while saving {final}; it was not written")
 
     def finish(self) -> Path | None:
         """Publish the checkpoint in flight (on every rank, at the same step): wait for this rank's write;
