@@ -1,6 +1,7 @@
 """Print CI's phase times (.ci/run writes them to REPORTS/phases.tsv) and, for each pytest phase, its
 pytest time, its counts and its slowest tests (setup, call and teardown together) from its JUnit XML,
-and the tests that used the most CPU (tests/conftest.py writes <report>.cpu.tsv); then the slowest shell commands the tests ran, and why the shared ci run was made again, if it was.
+and the tests that used the most CPU (tests/conftest.py writes <report>.cpu.tsv); then the slowest shell
+commands the tests ran, and why the shared ci run was made again, if it was.
 
     python3 .ci/summary.py REPORTS [--slowest N]
 """
