@@ -16,16 +16,20 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 CONF = Path("/etc/slurm/slurm.conf")
 PARTITION = "main"
 # The plugin first asks for a job's state 40 s after submitting it, and waits 10 s longer after each
-# round that saw no job finish (checks at 40, 90, 150 s ...); from 1 s (checks at 1, 12, 33, 64 s ...)
-# the tests' jobs, seconds to a minute long, idle less behind those waits (5 s left ~100 s of the
-# two-node pipeline's 270 s between a job's end and the next one's start).
-SNAKEMAKE = "snakemake --profile pipelines/profiles/slurm --slurm-init-seconds-before-status-checks 1"
+# round that saw no job finish (checks at 40, 90, 150 s ...). The tests' jobs run for seconds to a minute:
+# their first check comes after 1 s, and tests/system/snakemake_slurm.py keeps the rounds at most 2 s
+# apart (checks at 1, 3, 5 s ...), so that a job's end is seen within seconds, not ~15 s on average.
+SNAKEMAKE = (
+    f"{sys.executable} {Path(__file__).with_name('snakemake_slurm.py')} --profile pipelines/profiles/slurm "
+    "--slurm-init-seconds-before-status-checks 1"
+)
 
 
 def node_line() -> str:
