@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import resource
@@ -53,6 +54,13 @@ def pytest_collection_modifyitems(config, items) -> None:
 # included), beside the JUnit report when there is one (<report>.cpu.tsv: .ci/summary.py prints the tests
 # that use most). On 2 busy cores a test's wall time says little about its cost; this does.
 CPU_AT_SETUP = pytest.StashKey[float]()
+CPU_LOG = pytest.StashKey[str]()
+
+
+def pytest_configure(config) -> None:
+    report = config.getoption("xmlpath", None)
+    if report:  # (made absolute before any test changes the working directory)
+        config.stash[CPU_LOG] = os.path.abspath(f"{report}.cpu.tsv")
 
 
 def cpu_seconds() -> float:
@@ -67,10 +75,10 @@ def pytest_runtest_setup(item) -> None:
 
 @pytest.hookimpl(trylast=True)  # (after the fixtures' teardown)
 def pytest_runtest_teardown(item, nextitem) -> None:
-    report = item.config.getoption("xmlpath", None)
-    if report and CPU_AT_SETUP in item.stash:
-        with open(f"{report}.cpu.tsv", "a") as log:  # (one short line per write: whole lines from any worker)
-            log.write(f"{cpu_seconds() - item.stash[CPU_AT_SETUP]:.1f}\t{item.nodeid}\n")
+    if CPU_LOG in item.config.stash and CPU_AT_SETUP in item.stash:
+        line = f"{cpu_seconds() - item.stash[CPU_AT_SETUP]:.1f}\t{item.nodeid}\n"
+        with contextlib.suppress(OSError), open(item.config.stash[CPU_LOG], "a") as log:  # (a measurement only)
+            log.write(line)  # (one short line per write: whole lines from any worker)
 
 
 # The tiny Llama the stage tests train (2 layers of width 64, context 64): pretrain overrides.
