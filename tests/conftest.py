@@ -117,6 +117,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# MLflow's server starts job runners (eight processes that poll) for its GenAI jobs, which nothing here
+# uses: over 100 s of CPU in its first minute and 2 GB of memory (the Makefile's mlflow-ui leaves them out too).
+MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+SERVER_START_S = 300  # (an MLflow server took over 2 minutes to answer on a loaded 2-core machine)
+
+
+@contextlib.contextmanager
+def running_server(cmd: list[str], log: Path, ready, what: str, **popen):
+    """Run a server (`cmd`, its output to `log`) in a process group of its own until the block ends; wait
+    until `ready()` first. On the way out, failed start included, the group is stopped: TERM, then KILL
+    after 30 s (`mlflow server` leaves its uvicorn and job processes running when only it is stopped)."""
+    import signal
+    import time
+
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, **popen
+        )
+        try:
+            deadline = time.monotonic() + SERVER_START_S
+            while not ready():
+                assert proc.poll() is None, (
+                    f"{what} ended ({proc.returncode}):\n" + log.read_text(errors="replace")[-3000:]
+                )
+                assert time.monotonic() < deadline, f"{what} did not answer within {SERVER_START_S} s"
+                time.sleep(0.5)
+            yield proc
+        finally:
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+                try:
+                    proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # (what is left of the group once its leader ended)
+
+
 def stage_env(workdir: Path, **extra) -> dict:
     env = {
         **os.environ,

@@ -16,7 +16,7 @@ from conftest import loss_curve
 from test_pretrain import TINY, logits, run
 
 from stages import pretrain
-from stages.common import config
+from stages.common import ckpt, config
 from stages.models import llama
 
 # Equal to one process up to float32 summation order (the row-wise layers' all-reduce adds partial sums).
@@ -43,7 +43,9 @@ def resume(tokenized, out, nproc, args, resume_from, ckpts):
     return loss_curve(tokenized, out)
 
 
-def test_layouts_train_like_one_process_resume_exactly_and_checkpoints_move_between_them(tokenized, monkeypatch):
+def test_layouts_train_like_one_process_resume_exactly_and_checkpoints_move_between_them(
+    tokenized, monkeypatch, capsys
+):
     monkeypatch.chdir(tokenized)
     every = ["train.steps=10", "train.checkpoint_every=2"]  # (overrides TINY's 8 steps: the later value wins)
     layouts = {
@@ -79,7 +81,12 @@ def test_layouts_train_like_one_process_resume_exactly_and_checkpoints_move_betw
     # step 8 (step 6 kept); one process resumes that and finishes.
     pp_fsdp = [*every, "train.pipeline_parallel=2", "train.strategy=fsdp"]
     kill(tokenized, "par-moves", 4, pp_fsdp, 8, 4, "ckpts-par-moves")
-    moved = resume(tokenized, "par-moves", 1, every, 6, "ckpts-par-moves")
+    monkeypatch.setattr(ckpt, "CHECKPOINT_ROOT", tokenized / "ckpts-par-moves")  # (one process: this one)
+    capsys.readouterr()
+    pretrain.main(["--input", "data/tokenize", "--output", "par-moves", *TINY, *every])
+    printed = capsys.readouterr().out
+    assert "resuming from" in printed and "(step 6)" in printed
+    moved = loss_curve(tokenized, "par-moves")
     difference = max_relative_difference(moved, ref)
     print(f"TP 2 -> PP 2 x FSDP 2 -> one process: largest relative loss difference from one process {difference:.2e}")
     np.testing.assert_allclose(moved, ref, rtol=RTOL)

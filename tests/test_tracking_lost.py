@@ -14,6 +14,7 @@ In make test, on the SQLite store: what a killed stage kept is sent once, from w
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY_MODEL, free_port, stage_env
+from conftest import MLFLOW_SERVER_ENV, TINY_MODEL, free_port, running_server, stage_env
 from shared_run import BIN
 
 # Steps of the stage: enough to outlast the hang and its recovery (it is stopped by the test once seen).
@@ -82,30 +83,24 @@ class Proxy:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    import urllib.request
+
     state = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
     cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{state}/mlflow.db"]
     cmd += ["--artifacts-destination", str(state / "artifacts"), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--workers", "1"]
-    log = open(state / "server.log", "wb")  # noqa: SIM115 - the server's for its life
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    import urllib.request
 
-    deadline = time.time() + 120
-    while True:
+    def ready():
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-            break
+            return True
         except OSError:
-            assert proc.poll() is None, (state / "server.log").read_text()[-3000:]
-            assert time.time() < deadline, "the MLflow server did not answer within 2 minutes"
-            time.sleep(0.5)
-    try:
+            return False
+
+    env = {**os.environ, **MLFLOW_SERVER_ENV}
+    with running_server(cmd, state / "server.log", ready, "the MLflow server", env=env):
         yield port
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
 
 
 def stage(tokenized: Path, out: str, proxy: Proxy, steps: list[str]) -> subprocess.Popen:

@@ -7,7 +7,7 @@ and artifacts, the failed invocation's parent run FAILED, and the registered mod
 report set. Headless Chromium then renders the pages `make mlflow-ui` prints: the training runs table in
 its saved view (not the GenAI overview), a stage's run page, the failed invocation's run page and the
 registered models page. Their screenshots are kept in tests/system/artifacts/.
-The server is stopped by its PID.
+The server is stopped with the processes it started.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ import re
 import shlex
 import shutil
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import free_port, running_server
 from workspace import BIN, ROOT, env_for, local_run, sh
 
 from pipelines import dag
@@ -75,9 +74,11 @@ def server(tmp_path_factory, mirror):
     # The commands `make mlflow-ui` runs, as make prints them (-n: without running the venv step): the pages
     # to open, then the server (here over the copied store).
     recipe = sh(f"make --no-print-directory -n mlflow-ui MLFLOW_PORT={port}", clone).splitlines()
-    line = next(ln for ln in recipe if ln.startswith("mlflow server"))
+    line = next(ln for ln in recipe if "mlflow server" in ln)
     assert "--host 127.0.0.1" in line and str(clone / "mlflow.db") in line
-    args = [a.replace(str(clone / "mlflow.db"), str(store)) for a in shlex.split(line)]
+    words = shlex.split(line)
+    assigned = dict(w.split("=", 1) for w in words[: words.index("mlflow")])  # (VAR=value before the command)
+    args = [a.replace(str(clone / "mlflow.db"), str(store)) for a in words[len(assigned) :]]
     pages_line = next(ln for ln in recipe if "pipelines.ui" in ln).lstrip("-@")
     pages_cmd = [a.replace(str(clone / "mlflow.db"), str(store)) for a in shlex.split(pages_line)]
     assert pages_cmd[-1] == f"sqlite:///{store}", "the pages are those of the store the server serves"
@@ -85,32 +86,19 @@ def server(tmp_path_factory, mirror):
         [str(BIN / pages_cmd[0]), *pages_cmd[1:]], cwd=clone, env=env, capture_output=True, text=True, check=True
     ).stdout
     pages = [ln.removeprefix("open ") for ln in printed.splitlines() if ln.startswith("open ")]
-    log = open(tmp_path_factory.mktemp("mlflow-server") / "server.log", "w")
-    proc = subprocess.Popen(
-        [str(BIN / args[0]), *args[1:]], cwd=clone, env=env_for(clone), stdout=log, stderr=subprocess.STDOUT
-    )
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "the MLflow server did not answer within 180 s"
-            time.sleep(1)
-        yield base, pages
-    finally:
-        proc.terminate()
+
+    def ready():
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            with urllib.request.urlopen(base + "/health", timeout=5) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    log = tmp_path_factory.mktemp("mlflow-server") / "server.log"
+    cmd = [str(BIN / args[0]), *args[1:]]
+    with running_server(cmd, log, ready, "the MLflow server", cwd=clone, env={**env_for(clone), **assigned}):
+        yield base, pages
 
 
 def tags(run: dict) -> dict:

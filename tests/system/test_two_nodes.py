@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import slurm
+from conftest import MLFLOW_SERVER_ENV, running_server
 from workspace import BIN, assert_same_outputs, copy_of_run, env_for, local_run, make_clone, sh
 
 from pipelines import dag
@@ -93,16 +94,13 @@ def server(two_nodes, tmp_path_factory):
     cmd += ["--backend-store-uri", f"sqlite:///{state}/mlflow.db"]
     cmd += ["--artifacts-destination", str(state / "artifacts"), "--host", slurm.CONTROLLER_ADDRESS]
     cmd += ["--port", str(PORT), "--workers", "1"]
-    log = open(state / "server.log", "wb")
-    env = {**os.environ, "MLFLOW_AUTH_CONFIG_PATH": str(state / "auth.ini")}
+    env = {**os.environ, **MLFLOW_SERVER_ENV, "MLFLOW_AUTH_CONFIG_PATH": str(state / "auth.ini")}
     env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = secrets.token_hex(16)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-    try:
-        deadline = time.time() + 120
-        while not all(reachable_from(n, f"{SERVER}/health") for n in slurm.NODES):
-            assert proc.poll() is None, (state / "server.log").read_text()[-3000:]
-            assert time.time() < deadline, "the MLflow server did not answer both nodes within 2 minutes"
-            time.sleep(1)
+
+    def ready():
+        return all(reachable_from(n, f"{SERVER}/health") for n in slurm.NODES)
+
+    with running_server(cmd, state / "server.log", ready, "the MLflow server (from both nodes)", env=env):
         from mlflow.server import get_app_client
 
         with signed_in(ADMIN):
@@ -110,9 +108,6 @@ def server(two_nodes, tmp_path_factory):
             for name, password in (WRITER, READER):
                 users.create_user(name, password)
         yield SERVER
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 @pytest.fixture(scope="module")
