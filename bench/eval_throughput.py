@@ -82,7 +82,8 @@ def baseline(model, ids: torch.Tensor, context: int, stride: int) -> tuple[float
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 4096, repeats: int = 5) -> float:
-    """The device's dense matrix-multiply rate, FLOP/s."""
+    """The device's dense matrix-multiply rate, FLOP/s: the fastest of `repeats` + 1 products (the first
+    warms up), so that a moment of contention on a shared machine does not lower it."""
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     best = float("inf")
     for _ in range(repeats + 1):

@@ -13,12 +13,12 @@ Llama of hidden 2048, 16 layers, 16 heads, MLP 5632, vocab 32000 (~950M paramete
   MFU                   model FLOPs per token (6 x non-embedding parameters, output head included,
                         + 12 x layers x context x hidden) x tokens/s, over the datasheet peak
                         (--peak-tflops: the H100/H200 SXM dense bf16 figure, 990) and over the dense
-                        bf16 matmul rate measured here, now (an 8192^3 product)
+                        bf16 matmul rate measured here, now (the fastest of twenty 8192^3 products)
   peak memory           the CUDA allocator's peak (GPU)
 With --profile FILE, one more of those steps runs under torch.profiler and FILE gets the kernels that took the
 most device time and a breakdown by kind (matmul, attention, the rest): what limits the step.
 --dry runs the same code at tiny size on the CPU (a 2-layer model, context 128, 6 steps; fp32 there,
-where bf16 is not native) in seconds, so a run on a GPU machine spends its time measuring.
+where bf16 is not native; one thread) in seconds, so a run on a GPU machine spends its time measuring.
 Goal (GPU): MFU >= 0.40 of the dense bf16 peak.
 """
 
@@ -35,6 +35,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from eval_throughput import matmul_flops  # noqa: E402
 
 from stages import pretrain  # noqa: E402
 from stages.common import loop, runtime, train_config  # noqa: E402
@@ -76,19 +78,6 @@ def train_cfg(args) -> train_config.TrainConfig:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 10) -> float:
-    """Dense matmul FLOP/s: the mean of `repeats` timed products after three warm-ups."""
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    sync(device)
-    return 2 * n**3 * repeats / (time.perf_counter() - t0)
 
 
 def kind_of(name: str) -> str:
@@ -152,6 +141,10 @@ def main() -> None:
             setattr(args, key, value)
     if args.steps < 4:
         parser.error("--steps must be at least 4 (the first quarter is left out)")
+    if args.dry:
+        # One thread: on a shared CPU, another process slows both the steps and the matmul by taking turns on
+        # the core, alike, where it would stall a two-thread matmul tenfold for as long as it runs.
+        torch.set_num_threads(1)
     device = torch.device("cpu") if args.dry else runtime.init().device
     if device.type != "cuda" and not args.dry:
         print("no CUDA GPU here: run with --dry for a check at tiny size on the CPU", file=sys.stderr)
@@ -162,7 +155,7 @@ def main() -> None:
     model = make_model(args)
     params = sum(p.numel() for p in model.parameters())
     fpt = loop.flops_per_token(model, args.context)
-    rate = matmul_rate(device, dtype, 8192 if device.type == "cuda" else 512)
+    rate = matmul_flops(device, dtype, 8192 if device.type == "cuda" else 512, repeats=20)
     tokens = np.random.default_rng(0).integers(0, args.vocab, size=4 * args.steps * args.micro_batch * args.context)
     tokens = tokens.astype(np.uint16 if args.vocab <= 2**16 else np.uint32)
     if device.type == "cuda":

@@ -38,7 +38,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -555,12 +554,7 @@ def write_graphs(cfg: Config, out: Path) -> dict:
 # ----------------------------------------------------------------------------------------------- main
 def prepare(cfg: Config, output: Path) -> dict:
     # Downloads and a mixture's per-source splits go beside the output (as big as it), not to /tmp.
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with (
-        tempfile.TemporaryDirectory(prefix=f".{output.name}.work-", dir=output.parent) as work,
-        atomic.folder(output) as tmp,
-    ):
-        work = Path(work)
+    with atomic.scratch(output) as work, atomic.folder(output) as tmp:
         splits, source = write_corpus(cfg, work, tmp / "corpus")
         meta = {"corpus": {**source, "splits": splits}}
         if cfg.instructions != "none":

@@ -72,6 +72,7 @@ def temporaries(clone: Path) -> dict[str, list[Path]]:
         "a checkpoint being written": list(clone.glob("checkpoints/*/*/.step-*.tmp-*")),
         "a tokenize chunk being written": list(clone.glob("checkpoints/tokenize/*/.*.tmp")),
         "an output being published": list(clone.glob("data/**/.*.tmp-*")),
+        "a stage's work folder": list(clone.glob("data/**/.*.work-*")),
     }
 
 

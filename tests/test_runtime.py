@@ -53,13 +53,15 @@ def test_atomic_dir_replaces_on_success_and_leaves_nothing_on_error(tmp_path):
 
 
 def test_temporaries_of_writers_that_ended_are_removed_by_the_next_write(tmp_path):
-    """A writer killed before its rename leaves `.<name>.tmp-*` behind: the next write of that name, and a
-    checkpointer's resume, remove it when its writer is known to be gone (this host and pid namespace, the
-    process ended); a live writer's, another host's and an unnamed one stay."""
+    """A writer killed before its rename leaves `.<name>.tmp-*` (and its work folder `.<name>.work-*`)
+    behind: the next write of that name, and a checkpointer's resume, remove them when their writer is known
+    to be gone (this host and pid namespace, the process ended); a live writer's, another host's and an
+    unnamed one stay."""
     ended = subprocess.run(
         [sys.executable, "-c", "from pathlib import Path; from stages.common import atomic; "
-         "import sys; t = atomic.begin(sys.argv[1]); (t / 'half').write_text('x'); "
-         "atomic._tmp_sibling(Path(sys.argv[2])).write_text('half'); print(t.name)",
+         "import os, sys; t = atomic.begin(sys.argv[1]); (t / 'half').write_text('x'); "
+         "work = atomic.scratch(sys.argv[1]); work.__enter__(); "
+         "atomic._tmp_sibling(Path(sys.argv[2])).write_text('half'); print(t.name, flush=True); os._exit(0)",
          str(tmp_path / "out"), str(tmp_path / "m.json")],
         cwd=ROOT, capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
@@ -75,6 +77,7 @@ def test_temporaries_of_writers_that_ended_are_removed_by_the_next_write(tmp_pat
         for name in others.values():
             (tmp_path / name).mkdir()
         assert (tmp_path / ended).is_dir() and len(list(tmp_path.glob(".m.json.tmp-*"))) == 1
+        assert len(list(tmp_path.glob(".out.work-*"))) == 1
         with atomic.folder(tmp_path / "out") as tmp:
             (tmp / "whole").write_text("x")
         atomic.write_json(tmp_path / "m.json", {})

@@ -5,7 +5,9 @@ temporary name beside its final path and renamed into place. The name holds its 
 `.<name>.tmp-<random>.<pid>.<pid namespace>.<host>`. A writer killed before its rename leaves that
 temporary behind; the next write of the same name (and `sweep`) removes the ones whose writer is known to be
 gone: written on this host, in this pid namespace, by a process that no longer runs. Others are left alone
-(another host's writer cannot be checked from here; nothing reads a hidden temporary).
+(another host's writer cannot be checked from here; nothing reads a hidden temporary). A writer's work
+folder beside its output (`scratch`: downloads, intermediate files) is named the same way,
+`.<name>.work-<random>...`, and removed the same way.
 """
 
 from __future__ import annotations
@@ -31,15 +33,19 @@ def _pid_namespace() -> str:
         return "0"
 
 
-def _tmp_sibling(final: Path) -> Path:
+KINDS = ("tmp", "work")  # a write not yet renamed into place; a writer's work folder (scratch)
+
+
+def _tmp_sibling(final: Path, kind: str = "tmp") -> Path:
     owner = f"{os.getpid()}.{_pid_namespace()}.{socket.gethostname()}"
-    return final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}.{owner}")
+    return final.with_name(f".{final.name}.{kind}-{uuid.uuid4().hex[:8]}.{owner}")
 
 
 def _writer_gone(tmp_name: str) -> bool:
     """True when the temporary `tmp_name` (a name made by `_tmp_sibling`) was written by a process of
     this host and pid namespace that has ended."""
-    parts = tmp_name.rpartition(".tmp-")[2].split(".", 3)
+    tail = next((tmp_name.rpartition(f".{kind}-")[2] for kind in KINDS if f".{kind}-" in tmp_name), "")
+    parts = tail.split(".", 3)
     if len(parts) != 4 or not parts[1].isdigit():
         return False  # not named by its writer: cannot tell
     _, pid, namespace, host = parts
@@ -57,12 +63,13 @@ def _writer_gone(tmp_name: str) -> bool:
 
 
 def sweep(parent: str | Path, name: str = "*") -> list[Path]:
-    """Remove the hidden temporaries `.<name>.tmp-*` in `parent` whose writers are gone (see the module's
-    docstring); the paths removed."""
+    """Remove the hidden temporaries and work folders `.<name>.tmp-*`, `.<name>.work-*` in `parent` whose
+    writers are gone (see the module's docstring); the paths removed."""
     parent = Path(parent)
     removed = []
-    pattern = f".{name if name == '*' else glob.escape(name)}.tmp-*"
-    for tmp in parent.glob(pattern) if parent.is_dir() else ():
+    stem = name if name == "*" else glob.escape(name)
+    found = [tmp for kind in KINDS for tmp in parent.glob(f".{stem}.{kind}-*")] if parent.is_dir() else []
+    for tmp in sorted(found):
         if _writer_gone(tmp.name):
             if tmp.is_dir() and not tmp.is_symlink():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -85,6 +92,22 @@ def folder(final: str | Path, rt: runtime.Runtime | None = None):
         ok = True
     finally:
         publish(final, tmp, rt, ok)
+
+
+@contextlib.contextmanager
+def scratch(final: str | Path):
+    """Yield a hidden work folder beside `final` for what its writer needs only while it writes (downloads,
+    intermediate files as big as the output, which /tmp may not hold); removed on exit. Where the writer
+    is killed, the next write of `final` (or `sweep`) removes it."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    sweep(final.parent, final.name)
+    work = _tmp_sibling(final, "work")
+    work.mkdir()
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def begin(final: str | Path, rt: runtime.Runtime | None = None) -> Path:
