@@ -172,6 +172,8 @@ def test_a_server_that_hangs_then_returns_loses_nothing_and_holds_nothing_up(tok
         assert f"the MLflow server http://127.0.0.1:{proxy.port} is not taking" in log.read_text()
         proxy.set("pass")
         wait_for("the return", lambda: "answers again" in log.read_text(), proc, log, 120)
+        # (steps take seconds on a loaded machine: stop once more than 10 are on the server, not at once)
+        wait_for("steps after the return", lambda: len(steps_logged(client, run.info.run_id)) > 10, proc, log)
         proc.send_signal(signal.SIGTERM)  # the stage stops (its run KILLED) after sending what it kept
         assert proc.wait(120) == 143, log.read_text()[-3000:]
     logged = steps_logged(client, run.info.run_id)
