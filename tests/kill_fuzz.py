@@ -73,6 +73,7 @@ def temporaries(clone: Path) -> dict[str, list[Path]]:
         "a tokenize chunk being written": list(clone.glob("checkpoints/tokenize/*/.*.tmp")),
         "an output being published": list(clone.glob("data/**/.*.tmp-*")),
         "a stage's work folder": list(clone.glob("data/**/.*.work-*")),
+        "the tracking store being made": list(clone.glob(".mlflow.db.work-*")),
     }
 
 

@@ -339,8 +339,14 @@ def test_a_run_left_running_by_sigkill_is_marked_killed_on_the_next_start(tmp_pa
 
 
 def test_stages_opening_a_new_mlflow_store_at_once_all_track(tmp_path):
-    """Four processes open one new SQLite store at the same moment (as stages started together on a fresh
-    checkout do): each gets its client and the one experiment, none fails making the store's tables."""
+    """A stage killed while it made a new SQLite store's tables leaves no store; then four processes open
+    it at the same moment (as stages started together on a fresh checkout do): each gets its client and
+    the one experiment, none fails making the store's tables, and the killed one's work folder is gone."""
+    killed = (
+        "import os\nfrom pathlib import Path\nfrom mlflow.store.db import utils\nfrom stages.common import track\n"
+        "utils._upgrade_db = lambda engine: os._exit(9)  # killed after the first tables, before the rest\n"
+        "track.experiment(Path.cwd())\n"
+    )
     code = (
         "import sys, time\nfrom pathlib import Path\nfrom stages.common import track\n"
         "import mlflow.store.tracking.sqlalchemy_store  # (imported before the start: they open together)\n"
@@ -349,6 +355,10 @@ def test_stages_opening_a_new_mlflow_store_at_once_all_track(tmp_path):
         "client, experiment_id = track.experiment(Path.cwd())\nprint(experiment_id)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    maker = subprocess.run([sys.executable, "-c", killed], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert maker.returncode == 9, maker.stderr[-2000:]
+    assert not (tmp_path / "mlflow.db").exists(), "a half-made store was left in place"
+    assert list(tmp_path.glob(".mlflow.db.work-*")), "the killed maker's work folder"
     probe, pipe = [sys.executable, "-c", code], subprocess.PIPE
     procs = [
         subprocess.Popen([*probe, str(i)], cwd=tmp_path, env=env, stdout=pipe, stderr=pipe, text=True) for i in range(4)
@@ -361,6 +371,7 @@ def test_stages_opening_a_new_mlflow_store_at_once_all_track(tmp_path):
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     assert len({out.strip() for out, _ in outs}) == 1, "one experiment"
+    assert not list(tmp_path.glob(".mlflow.db.work-*")), "the killed maker's work folder was removed"
 
 
 def test_a_pipeline_parent_run_ends_with_the_worst_status_of_its_stages(tmp_path, monkeypatch):

@@ -76,13 +76,6 @@ def lineage(output: Path, inputs: list[Path], section: dict, inputs_hash: str) -
     }
 
 
-def tracking_client():
-    """A client of the tracking store the stages log to."""
-    import mlflow
-
-    return mlflow.MlflowClient(track.tracking_uri())
-
-
 def version_record(name: str, folder: Path, tags: dict, description: str) -> dict:
     """What registering the model in `folder` as a new version of `name` takes: its folder, its tags (its
     stage's lineage) with its own `dvc_md5`, taken now, and the registered model's description."""
@@ -97,7 +90,7 @@ def versions_with(name: str, key: str, value: str) -> list:
     from mlflow.exceptions import MlflowException
 
     try:
-        found = tracking_client().search_model_versions(f"name = '{name}' and tags.`{key}` = '{value}'")
+        found = track.open_client().search_model_versions(f"name = '{name}' and tags.`{key}` = '{value}'")
     except MlflowException as e:
         if e.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
@@ -109,7 +102,7 @@ def is_registered(name: str) -> bool:
     from mlflow.exceptions import MlflowException
 
     try:
-        tracking_client().get_registered_model(name)
+        track.open_client().get_registered_model(name)
     except MlflowException as e:
         if e.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
@@ -118,7 +111,7 @@ def is_registered(name: str) -> bool:
 
 
 def set_alias(name: str, version: int, alias: str = ALIAS) -> None:
-    tracking_client().set_registered_model_alias(name, alias, str(version))
+    track.open_client().set_registered_model_alias(name, alias, str(version))
 
 
 def is_uri(text: str) -> bool:
@@ -143,7 +136,7 @@ def resolve(uri: str) -> tuple[Path, str]:
         raise config.UserError(
             f"{where}: the tracking server does not answer ({problem}); start it or fix MLFLOW_TRACKING_URI"
         )
-    client = tracking_client()
+    client = track.open_client()
     try:
         version = client.get_model_version_by_alias(name, alias) if at else client.get_model_version(name, number)
     except MlflowException as e:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from stages.common import digest, runtime
+from stages.common import atomic, digest, runtime
 from stages.common.config import UserError
 
 EXPERIMENT = os.environ.get("MLFLOW_EXPERIMENT_NAME", "pipeline")
@@ -364,21 +364,49 @@ def close_orphaned_runs(client, experiment_id: str, stage: str) -> list[str]:
     return closed
 
 
+def _make_sqlite_store(path: Path) -> None:
+    """Make a new SQLite store, whole or not at all. MLflow makes a store's tables one statement at a
+    time, outside any transaction, so a store whose making was killed half-way fails every later
+    opening ("table ... already exists"). Here the tables are made in a work folder beside `path` and the
+    finished file renamed into place; a killed making leaves only that folder, which the next one
+    removes (stages/common/atomic.py)."""
+    from mlflow.store.db import utils
+
+    with atomic.scratch(path) as work:
+        engine = utils.create_sqlalchemy_engine(f"sqlite:///{work / path.name}")
+        try:
+            utils._initialize_tables(engine)
+        finally:
+            engine.dispose()
+        os.replace(work / path.name, path)
+
+
+def open_client(root: Path | None = None):
+    """A client of the tracking store (`tracking_uri(root)`). A new SQLite store is made here, whole and
+    once: MLflow would make its tables when a client first opens it, which fails in a process that does
+    it beside another ("table ... already exists")."""
+    import mlflow
+
+    root = root or runtime.workspace()
+    uri = tracking_uri(root)
+    if not uri.startswith("sqlite:"):
+        return mlflow.MlflowClient(uri)
+    lock_path = parent_lock(root)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:  # one opening at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        store = Path(uri.removeprefix("sqlite:///"))
+        if not store.exists():
+            _make_sqlite_store(store)
+        return mlflow.MlflowClient(uri)
+
+
 def experiment(root: Path):
     """(client, id) of the experiment EXPERIMENT, created on first use with its kind and saved view."""
     import mlflow
 
     uri = tracking_uri(root)
-    if uri.startswith("sqlite:"):
-        # MLflow makes a new SQLite store's tables when a client first opens it, which fails in a process
-        # that does it beside another ("table ... already exists"): one opening at a time.
-        lock_path = parent_lock(root)
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock_path, "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            client = mlflow.MlflowClient(uri)
-    else:
-        client = mlflow.MlflowClient(uri)
+    client = open_client(root)
     exp = client.get_experiment_by_name(EXPERIMENT)
     if exp is None:
         location = (root / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
