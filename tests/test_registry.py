@@ -3,6 +3,7 @@ folder's logits, is evaluated by `models:/` URI, and gets the alias `reproduced`
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -110,3 +111,23 @@ def test_an_unknown_registered_model_is_one_clear_error(in_registry):
         "eval_perplexity", ["--models", "models:/pretrain", *EVAL], cwd=in_registry, check=False, **TRACKED
     )
     assert proc.returncode == 2 and "models:/<name>@<alias> or models:/<name>/<version>" in proc.stderr
+
+
+def test_a_version_kept_elsewhere_is_downloaded_whole_once(tmp_path, monkeypatch):
+    """A version whose artifacts are not a local folder is downloaded into the checkpoints' registry folder
+    under a work folder named by its writer: a download killed half-way is removed by the next one, and
+    what lands is the whole model folder."""
+    from stages.common import atomic, ckpt
+
+    source = tmp_path / "store" / "model"
+    source.mkdir(parents=True)
+    (source / "config.json").write_text("{}")
+    monkeypatch.setattr(ckpt, "CHECKPOINT_ROOT", str(tmp_path / "checkpoints"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    dest = tmp_path / "checkpoints" / "registry" / "pretrain" / "3"
+    dest.parent.mkdir(parents=True)
+    killed = atomic._tmp_sibling(dest, "work").name.replace(f".{os.getpid()}.", ".999999999.")
+    (dest.parent / killed / "model").mkdir(parents=True)  # (a writer with no such pid: gone)
+    assert registry.download(source.as_uri(), "pretrain", 3) == dest
+    assert (dest / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["3"], "the killed download and the work folder removed"

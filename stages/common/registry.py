@@ -24,11 +24,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
-from stages.common import config, digest, track
+from stages.common import atomic, config, digest, track
 
 ALIAS = "reproduced"
 
@@ -166,13 +165,12 @@ def download(source: str, name: str, version: int) -> Path:
 
     dest = Path(ckpt.CHECKPOINT_ROOT) / "registry" / name / str(version)
     if not dest.is_dir():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{version}.tmp-", dir=dest.parent))
-        # (the artifact lands under its own name in the folder given: tmp/model/config.json ...)
-        got = Path(mlflow.artifacts.download_artifacts(source, dst_path=str(tmp), tracking_uri=track.tracking_uri()))
-        try:
-            got.rename(dest)
-        except OSError:  # another rank got there first: the same files
-            pass
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic.scratch(dest) as tmp:  # (a download killed half-way: removed by the next one)
+            # (the artifact lands under its own name in the folder given: tmp/model/config.json ...)
+            uri = track.tracking_uri()
+            got = Path(mlflow.artifacts.download_artifacts(source, dst_path=str(tmp), tracking_uri=uri))
+            try:
+                got.rename(dest)
+            except OSError:  # another rank got there first: the same files
+                pass
     return dest
