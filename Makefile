@@ -16,15 +16,17 @@ MLFLOW_PORT ?= 5000
 
 # Packages installed without byte-code, then compiled by compileall on every core (pip compiles one file
 # after another: half of the install on 2 cores). torch ships one test helper in Python 3.12 syntax, which
-# pip's own compile passes over as well.
-$(STAMP): requirements.lock pyproject.toml
+# pip's own compile passes over as well. pipelines/gc-threshold.pth: the garbage collector's thresholds of
+# every Python in .venv (that file says why).
+$(STAMP): requirements.lock pyproject.toml pipelines/gc-threshold.pth
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip==24.3.1
 	$(VENV)/bin/pip install --quiet --no-compile --retries 1 torch==2.13.0 $(TORCH_INDEX)
 	$(VENV)/bin/pip install --quiet --no-compile -r requirements.lock
 	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
-	$(VENV)/bin/python -m compileall -qq -j 0 -x 'torch/testing/_internal/py312_intrinsics\.py' \
-	  "$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	purelib="$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" && \
+	  $(VENV)/bin/python -m compileall -qq -j 0 -x 'torch/testing/_internal/py312_intrinsics\.py' "$$purelib" && \
+	  cp pipelines/gc-threshold.pth "$$purelib/"
 	touch $@
 
 # A page template for `dvc plots show --html-template` with the Vega libraries inlined: plots render offline.

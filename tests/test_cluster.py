@@ -196,6 +196,27 @@ def test_container_definitions_pin_the_base_by_digest_and_packages_by_the_lock()
     )
 
 
+def test_every_python_the_project_builds_starts_with_the_collectors_thresholds():
+    """pipelines/gc-threshold.pth sets the garbage collector's thresholds at start-up: in .venv (make venv
+    copies it into site-packages: this interpreter, without its site-packages, has Python's own) and in
+    every image (each container definition copies it)."""
+    text = (ROOT / "pipelines/gc-threshold.pth").read_text()
+    (line,) = [line for line in text.splitlines() if not line.startswith("#")]
+    wanted = tuple(
+        int(n.replace("_", ""))
+        for n in re.fullmatch(r"import gc; gc.set_threshold\(([\d_]+), (\d+), (\d+)\)", line).groups()
+    )
+    said = {
+        flags: subprocess.run(
+            [sys.executable, *flags, "-c", "import gc; print(gc.get_threshold())"], capture_output=True, text=True
+        ).stdout.strip()
+        for flags in ((), ("-S",))
+    }
+    assert said == {(): str(wanted), ("-S",): "(700, 10, 10)"}, said
+    for path in definitions():
+        assert "pipelines/gc-threshold.pth" in path.read_text(), f"{path} does not copy pipelines/gc-threshold.pth"
+
+
 def test_the_launcher_stops_a_stage_whose_input_is_not_what_dvc_lock_records(tmp_path, monkeypatch):
     """Under DVC or Snakemake, eval_perplexity@pretrain's inputs (data/pretrain, data/tokenize) are hashed
     against the outs dvc.lock records for the stages that made them (a folder: DVC's listing in its cache):

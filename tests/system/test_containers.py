@@ -205,11 +205,13 @@ def test_lm_image_runs_a_stage(podman, lm_image, tmp_path, mirror):
         lm_image,
         "sh",
         "-c",
-        "python -m stages.tokenize --help && python -m pipelines.launch prepare_data --output data/prepare_data",
+        "python -m stages.tokenize --help && python -c 'import gc; print(\"collector\", gc.get_threshold())' && "
+        "python -m pipelines.launch prepare_data --output data/prepare_data",
         volumes=[f"{inside}:/work", f"{MIRROR}:/mirror:ro"],
         env=["PIPELINE_DATA_MIRROR=/mirror", "MLFLOW_TRACKING_URI=sqlite:////work/mlflow.db"],
     )
     assert "--input" in proc.stdout and "--output" in proc.stdout, proc.stdout
+    assert "collector (10000, 10, 10)" in proc.stdout, "the image's Python has pipelines/gc-threshold.pth's"
     assert "launch: /opt/venv/bin/python" in proc.stderr, "the stage ran on the image's Python"
 
     # The same stage on the host, with the host's packages: the same files, byte for byte.
