@@ -15,6 +15,11 @@ from pathlib import Path
 import pytest
 from shared_run import MIRROR, ROOT  # noqa: F401  (the repository and the data mirror, for the tests)
 
+# The repositories the tests make with `dvc init` (remotes, clones) have DVC's usage reports on, which
+# start a `dvc daemon analytics` process after each command that tries to reach DVC's servers. The
+# project's own repository turns them off in .dvc/config; every command a test starts inherits this.
+os.environ["DVC_NO_ANALYTICS"] = "1"
+
 # The order in which the pytest-xdist workers take the modules: the longest first, so that the workers
 # finish together. A worker is handed its next module while it still runs its last queued test (xdist keeps
 # two tests queued). tests/test_e2e.py comes first: it makes the shared ci run (tests/shared_run.py, about

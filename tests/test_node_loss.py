@@ -120,7 +120,10 @@ def test_each_node_logs_its_system_metrics_into_the_stages_one_run(tokenized):
                 port,
                 ckpts,
                 "nodes-metrics",
-                "train.steps=60",
+                # (a run lasts seconds beyond its steps: at 8 steps the nodes sent 9 and 5 samples on an
+                # idle machine, more on a loaded one)
+                "train.steps=8",
+                "train.checkpoint_every=0",
                 MLFLOW_SYSTEM_METRICS_NODE_ID=f"node{i}",
                 **env,
             )
