@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from shared_run import MIRROR, ROOT  # noqa: F401  (the repository and the data mirror, for the tests)
 
-# The repositories the tests make with `dvc init` (remotes, clones) have DVC's usage reports on, which
-# start a `dvc daemon analytics` process after each command that tries to reach DVC's servers. The
+# The repositories the tests make with `dvc init` (remotes, clones) have DVC's usage reports on: after
+# each command DVC starts a `dvc daemon analytics` process, which tries to reach DVC's servers. The
 # project's own repository turns them off in .dvc/config; every command a test starts inherits this.
 os.environ["DVC_NO_ANALYTICS"] = "1"
 
