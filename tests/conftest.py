@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import resource
 import shutil
 import socket
@@ -222,6 +223,15 @@ def mirror() -> Path:
     if not (MIRROR / "tinyshakespeare" / "input.txt").is_file():
         pytest.skip(f"no data mirror at {MIRROR}: set PIPELINE_DATA_MIRROR to a directory laid out like shared/data")
     return MIRROR
+
+
+def collector_thresholds() -> tuple[int, int, int]:
+    """The garbage collector's thresholds that pipelines/gc-threshold.pth sets in every Python the project
+    builds (.venv, the images), read from the file's one import line."""
+    text = (ROOT / "pipelines/gc-threshold.pth").read_text()
+    (line,) = [line for line in text.splitlines() if not line.startswith("#")]
+    found = re.fullmatch(r"import gc; gc.set_threshold\(([\d_]+), (\d+), (\d+)\)", line)
+    return tuple(int(n.replace("_", "")) for n in found.groups())
 
 
 def ci_params(dest: Path) -> Path:

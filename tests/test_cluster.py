@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import collector_thresholds
 
 from pipelines import launch
 from pipelines.dag import Stage, load_table
@@ -200,12 +201,7 @@ def test_every_python_the_project_builds_starts_with_the_collectors_thresholds()
     """pipelines/gc-threshold.pth sets the garbage collector's thresholds at start-up: in .venv (make venv
     copies it into site-packages: this interpreter, without its site-packages, has Python's own) and in
     every image (each container definition copies it)."""
-    text = (ROOT / "pipelines/gc-threshold.pth").read_text()
-    (line,) = [line for line in text.splitlines() if not line.startswith("#")]
-    wanted = tuple(
-        int(n.replace("_", ""))
-        for n in re.fullmatch(r"import gc; gc.set_threshold\(([\d_]+), (\d+), (\d+)\)", line).groups()
-    )
+    wanted = collector_thresholds()
     said = {
         flags: subprocess.run(
             [sys.executable, *flags, "-c", "import gc; print(gc.get_threshold())"], capture_output=True, text=True

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import ci_params
+from conftest import ci_params, collector_thresholds
 from workspace import BIN, MIRROR, ROOT, env_for, need_commands, need_root, output_hashes
 
 # Image builds and pipeline runs outlast the suite's per-test limit on 2 shared cores.
@@ -211,7 +211,7 @@ def test_lm_image_runs_a_stage(podman, lm_image, tmp_path, mirror):
         env=["PIPELINE_DATA_MIRROR=/mirror", "MLFLOW_TRACKING_URI=sqlite:////work/mlflow.db"],
     )
     assert "--input" in proc.stdout and "--output" in proc.stdout, proc.stdout
-    assert "collector (10000, 10, 10)" in proc.stdout, "the image's Python has pipelines/gc-threshold.pth's"
+    assert f"collector {collector_thresholds()}" in proc.stdout, "the image's Python has pipelines/gc-threshold.pth's"
     assert "launch: /opt/venv/bin/python" in proc.stderr, "the stage ran on the image's Python"
 
     # The same stage on the host, with the host's packages: the same files, byte for byte.
