@@ -116,6 +116,41 @@ class RunsCode:
         return (open, (self.marker, "w"))
 
 
+def craft_checkpoint_item(step: Path, marker: Path) -> str:
+    """Overwrite, in place, one non-tensor item of the DCP checkpoint in `step` (an optimizer group's lr,
+    a torch.save'd blob inside a shard) with a pickle that creates `marker` when unpickled, and rewrite
+    the checkpoint's manifest to match. Checks first that torch's own reading of such an item
+    (DefaultLoadPlanner.load_bytes: torch.load with weights_only=False) would run it. Returns the item."""
+    import io
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from stages.common import ckpt
+
+    metadata = ckpt.read_metadata(step / "state/.metadata")
+    name = next(
+        k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata) and k.endswith(".lr")
+    )
+    info = metadata.storage_data[MetadataIndex(name)]
+    payload = pickle.dumps(RunsCode(marker))
+    assert len(payload) <= info.length
+    with open(step / "state" / info.relative_path, "r+b") as fh:
+        fh.seek(info.offset)
+        fh.write(payload)
+        fh.seek(info.offset)
+        crafted = fh.read(info.length)
+    try:
+        torch.load(io.BytesIO(crafted), weights_only=False)
+    except Exception:  # noqa: BLE001 - what it returns is no torch file; what matters is that it ran
+        pass
+    assert Path(marker).exists(), "the crafted item runs code in torch's own reader"
+    Path(marker).unlink()
+    ckpt.write_manifest(step)
+    return name
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:

@@ -183,12 +183,13 @@ def test_manifest_tells_intact_checkpoints_from_damaged_ones(tmp_path, capsys):
     assert f"not resuming from checkpoint {tmp_path / 'step-4'}" in capsys.readouterr().out
     (tmp_path / "step-2/manifest.json").write_text("{")
     assert ckpt.newest_intact_checkpoint(tmp_path) is None
-    # Written before manifests existed: accepted when DCP's metadata is there, with a warning.
+    # Without a manifest (deleted, or never published by this code) a checkpoint is not trusted.
     (tmp_path / "step-6/state").mkdir(parents=True)
     (tmp_path / "step-6/state/.metadata").write_bytes(metadata)
     torch.save({"step": 6}, tmp_path / "step-6/extra.pt")
-    assert ckpt.newest_intact_checkpoint(tmp_path).name == "step-6"
-    assert "has no manifest.json (an older version wrote it)" in capsys.readouterr().out
+    assert ckpt.manifest_problem(tmp_path / "step-6").startswith("it has no manifest.json")
+    assert ckpt.newest_intact_checkpoint(tmp_path) is None
+    assert f"not resuming from checkpoint {tmp_path / 'step-6'}: it has no manifest.json" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -250,8 +251,8 @@ def test_a_checkpoint_copy_that_fails_on_one_rank_fails_the_save_on_every_rank(t
 
 def test_a_checkpoint_whose_dcp_metadata_would_run_code_is_passed_over(tmp_path, capsys):
     """DCP's state/.metadata is a pickle that torch's own reader loads with pickle.load. One crafted to run
-    code, with its manifest rewritten to match (or deleted, as if an older version wrote the checkpoint),
-    is never unpickled: the checkpoint is named as damaged and the run resumes from the older one."""
+    code, with its manifest rewritten to match (or deleted), is never unpickled: the checkpoint is named as
+    damaged and the run resumes from the older one."""
     import pickle
 
     import torch
@@ -280,15 +281,105 @@ def test_a_checkpoint_whose_dcp_metadata_would_run_code_is_passed_over(tmp_path,
     for case in ("manifest rewritten", "manifest deleted"):
         if case == "manifest deleted":
             (newest / ckpt.MANIFEST).unlink()
+        why = "it has no manifest.json" if case == "manifest deleted" else "state/.metadata does not load"
         problem = ckpt.checkpoint_problem(newest)
-        assert problem.startswith("state/.metadata does not load as a checkpoint's metadata (UnpicklingError"), problem
+        assert problem.startswith(why), problem
         other = torch.nn.Linear(4, 2)
         resumed = ckpt.Checkpointer(tmp_path / "ckpt", 1, 4, rt).resume(other, torch.optim.AdamW(other.parameters()))
         assert resumed.step == 1, case
-        assert f"not resuming from checkpoint {newest}: state/.metadata" in capsys.readouterr().out, case
+        assert f"not resuming from checkpoint {newest}: {why}" in capsys.readouterr().out, case
         assert not (tmp_path / "code-ran").exists(), f"{case}: loading a checkpoint ran code"
     with pytest.raises(pickle.UnpicklingError, match="is not part of a checkpoint's metadata"):
         ckpt.checkpoint_reader(newest / "state").read_metadata()  # what every rank's load reads it with
+
+
+def test_a_checkpoint_item_that_would_run_code_is_never_unpickled(tmp_path, capsys):
+    """DCP keeps each non-tensor value of the state (an optimizer group's lr, betas, ...) as a torch.save'd
+    blob in a shard, which torch's own load planner unpickles with weights_only=False. One crafted to run
+    code, with the manifest rewritten to match, is named at the intactness check and passed over; loaded
+    anyway, it raises instead of running; with the manifest deleted, the checkpoint is refused too."""
+    import torch
+    from conftest import craft_checkpoint_item
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    rt = runtime.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    saver = ckpt.Checkpointer(tmp_path / "ckpt", every=1, steps=4, rt=rt)
+    state = ckpt.TrainState()
+    for done in (1, 2):
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        state.step = done
+        saver.step_done(state, model, optimizer)
+    newest, marker = tmp_path / "ckpt/step-2", tmp_path / "code-ran"
+    item = craft_checkpoint_item(newest, marker)
+    problem = ckpt.checkpoint_problem(newest)
+    assert problem.startswith(f"item {item} in state/__0_0.distcp does not load as plain data"), problem
+
+    def fresh():
+        other = torch.nn.Linear(4, 2)
+        return other, torch.optim.AdamW(other.parameters(), lr=0.5)
+
+    resumed = ckpt.Checkpointer(tmp_path / "ckpt", 1, 4, rt).resume(*fresh())
+    assert resumed.step == 1 and f"not resuming from checkpoint {newest}: item {item}" in capsys.readouterr().out
+    with pytest.raises(CheckpointException, match="Weights only load failed"):  # every rank's load, checked or not
+        ckpt.Checkpointer._load(newest, *fresh())
+    model_, optimizer_ = fresh()
+    ckpt.Checkpointer._load(tmp_path / "ckpt/step-1", model_, optimizer_)  # plain items load as before
+    assert optimizer_.param_groups[0]["lr"] == 0.1
+    (newest / ckpt.MANIFEST).unlink()
+    assert ckpt.checkpoint_problem(newest).startswith("it has no manifest.json")
+    assert ckpt.Checkpointer(tmp_path / "ckpt", 1, 4, rt).resume(*fresh()).step == 1
+    assert not marker.exists(), "a checkpoint item ran code"
+
+
+def test_a_resume_across_code_travels_with_the_checkpoints_it_wrote(tmp_path, monkeypatch, capsys):
+    """A run that resumed checkpoints of other code (PIPELINE_RESUME=across-code) writes checkpoints that
+    record it; stopped and re-run with no opt-in, the next run resumes those (same code) and is tagged
+    the same, its own checkpoints too. Setting the folder aside (PIPELINE_RESUME=fresh) ends it."""
+    import dataclasses
+
+    import torch
+
+    from stages.common import stage
+
+    @dataclasses.dataclass(frozen=True)
+    class Params:
+        lr: float = 0.1
+
+    rt = runtime.init()
+    monkeypatch.setattr(ckpt, "CHECKPOINT_ROOT", tmp_path)
+    folder = ckpt.checkpoint_dir("pretrain", {"lr": 0.1}, "inputs")
+    this = ckpt.writer_record("stages.pretrain")
+    (folder / "step-2").mkdir(parents=True)
+    atomic.write_json(folder / "step-2" / ckpt.WRITER_FILE, {**this, "code_sha256": "0" * 64})
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def train_to(step: int) -> None:  # a run's save of `step`, the older checkpoints pruned
+        ckpt.Checkpointer(folder, every=1, steps=10, rt=rt, keep=1).save(ckpt.TrainState(step), model, optimizer)
+
+    monkeypatch.setenv("PIPELINE_RESUME", "across-code")
+    with stage.checkpoints("pretrain", Params(), "inputs", rt):
+        across = stage.RESUMED_ACROSS_CODE["pretrain"]
+        assert (
+            across.startswith("code 000000000000, torch") and stage.record_tags("pretrain")[ckpt.ACROSS_CODE] == across
+        )
+        train_to(4)
+    assert [p.name for p in ckpt.checkpoints(folder)] == ["step-4"]
+    assert ckpt.read_writer(folder / "step-4")[ckpt.ACROSS_CODE] == across
+    monkeypatch.delenv("PIPELINE_RESUME")
+    for step in (6, 8):  # stopped and re-run, twice, with no opt-in
+        with stage.checkpoints("pretrain", Params(), "inputs", rt):
+            assert stage.record_tags("pretrain")[ckpt.ACROSS_CODE] == across, step
+            train_to(step)
+        assert ckpt.read_writer(folder / f"step-{step}")[ckpt.ACROSS_CODE] == across
+    monkeypatch.setenv("PIPELINE_RESUME", "fresh")
+    with stage.checkpoints("pretrain", Params(), "inputs", rt):
+        assert ckpt.ACROSS_CODE not in stage.record_tags("pretrain") and not ckpt.checkpoints(folder)
+    assert "checkpoints resumed across code set aside in" in capsys.readouterr().out
 
 
 def test_an_unreachable_tracking_server_is_one_clear_error(tmp_path):

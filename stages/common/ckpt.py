@@ -117,20 +117,13 @@ def write_manifest(folder: str | Path) -> None:
 
 def manifest_problem(folder: str | Path) -> str | None:
     """Why a checkpoint folder does not match its manifest (missing, truncated, changed or extra
-    files), or None when it matches. A checkpoint from before manifests (none, but DCP's metadata is
-    there) passes with a warning: it cannot be verified."""
+    files, or no manifest at all), or None when it matches. A manifest is written last, after every
+    rank's files: a folder without one was not published by this code, and is not trusted."""
     folder = Path(folder)
     try:
         files = json.loads((folder / MANIFEST).read_text())
     except FileNotFoundError:
-        if (folder / "state" / ".metadata").is_file():
-            print(
-                f"warning: checkpoint {folder} has no {MANIFEST} (an older version wrote it); its files are "
-                f"not verified",
-                flush=True,
-            )
-            return None
-        return f"it has no {MANIFEST}"
+        return f"it has no {MANIFEST} (every checkpoint this code publishes has one)"
     except (OSError, ValueError):
         return f"its {MANIFEST} is unreadable"
     if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
@@ -239,6 +232,9 @@ def state_dicts(model, optimizer) -> tuple[dict, dict, object]:
 # sets it); saved beside each checkpoint's state and compared before one is resumed.
 WRITER: dict = {}
 WRITER_FILE = "writer.json"
+# The writer record's key for a resume across a code or torch change ("<old> -> <new>") in the run that
+# wrote the checkpoint, or in one it built on (stage.resume_problem).
+ACROSS_CODE = "resumed_across_code"
 
 
 def writer_record(module: str) -> dict:
@@ -336,7 +332,8 @@ def checkpoint_reader(path: Path):
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why a checkpoint cannot be resumed from: files that do not match its manifest (truncated,
-    changed, missing), or an extra.pt or DCP metadata that is not plain data. None when it is intact."""
+    changed, missing, or no manifest), or an extra.pt, DCP metadata or DCP item that is not plain data.
+    None when it is intact."""
     problem = manifest_problem(path)
     if problem is None:
         try:
@@ -345,10 +342,54 @@ def checkpoint_problem(path: Path) -> str | None:
             problem = f"extra.pt does not load as plain data ({type(e).__name__})"
     if problem is None:
         try:
-            read_metadata(path / "state" / ".metadata")
+            metadata = read_metadata(path / "state" / ".metadata")
         except Exception as e:  # noqa: BLE001 - whatever the unpickler refuses, or a missing file
-            problem = f"state/.metadata does not load as a checkpoint's metadata ({type(e).__name__}: {e})"
+            return f"state/.metadata does not load as a checkpoint's metadata ({type(e).__name__}: {e})"
+        problem = bytes_items_problem(path / "state", metadata)
     return problem
+
+
+def bytes_items_problem(state: Path, metadata) -> str | None:
+    """Why one of the checkpoint's non-tensor items (DCP keeps each, e.g. an optimizer group's lr or betas,
+    as a torch.save'd blob inside a shard) is not plain data, or None. Each is read as DataOnlyLoadPlanner
+    reads it on resume, weights-only, so that a crafted item is named here and the checkpoint passed over
+    rather than failing the load."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    for name, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, BytesStorageMetadata):
+            continue
+        info = metadata.storage_data.get(MetadataIndex(name))
+        if info is None:
+            return f"state/.metadata names item {name} but not where it is stored"
+        if info.transform_descriptors:  # (this code never writes transformed items)
+            return f"item {name} is stored transformed ({', '.join(info.transform_descriptors)})"
+        try:
+            with open(state / info.relative_path, "rb") as fh:
+                fh.seek(info.offset)
+                blob = fh.read(info.length)
+            torch.load(io.BytesIO(blob), weights_only=True)
+        except Exception as e:  # noqa: BLE001 - whatever the unpickler refuses, or a missing file
+            return f"item {name} in state/{info.relative_path} does not load as plain data ({type(e).__name__})"
+    return None
+
+
+def data_only_load_planner():
+    """DCP's default load planner, except that a non-tensor item is unpickled weights-only (plain data:
+    numbers, strings, containers, tensors), where torch's own reads it with weights_only=False: a crafted
+    item raises instead of running code. Tensors are read weights-only by DCP's file reader already."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class DataOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            data = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], data)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = data
+
+    return DataOnlyLoadPlanner()
 
 
 def new_history() -> dict:
@@ -579,7 +620,8 @@ class Checkpointer:
 
         model_sd, optim_sd, options = state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, storage_reader=checkpoint_reader(path / "state"))  # metadata read as data only
+        # metadata and every item read as data only
+        dcp.load(state, storage_reader=checkpoint_reader(path / "state"), planner=data_only_load_planner())
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
         )

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stages.common import atomic, ckpt, config, digest, provenance, registry, runtime, track
+from stages.common import atomic, ckpt, config, digest, environment, provenance, registry, runtime, track
 
 STOPPED_EXIT_CODE = 143
 REFUSAL_GRACE_S = 10.0  # how long a rank other than 0 that refused its input waits for rank 0 to say why
@@ -111,11 +111,13 @@ def exit_if_checking(args: argparse.Namespace, section: str, cfg) -> None:
 
 
 def launch(section: str, body, train: TrainConfig | None = None):
-    """Join the process group, run `body(rt, stop)` and leave the group (also on errors: a wrapped model
+    """Check the installed packages against those the stage's family records (stages.common.environment),
+    join the process group, run `body(rt, stop)` and leave the group (also on errors: a wrapped model
     must be gone before, which is why it lives only inside `body`). With a `train` section the stage
     checkpoints, so SIGTERM and SIGINT set `stop` instead of ending the process (the loop saves and
     `loop.fit` raises Stopped: exit 143 after teardown); other stages keep Python's handlers and
     stop at once."""
+    environment.check(section)  # (the packages: before the process group, on every node)
     timeout_s = train.collective_timeout_s if train is not None else runtime.COLLECTIVE_TIMEOUT_S
     rt = runtime.init(timeout_s=timeout_s, cpu_collectives=train is not None and train.offload)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -161,6 +163,7 @@ def record_tags(section: str) -> dict:
         pass
     if RESUMED_ACROSS_CODE.get(section):
         tags["resumed_across_code"] = RESUMED_ACROSS_CODE[section]
+    tags |= environment.run_tags(section)  # a run on packages other than its family's recorded ones
     return tags
 
 
@@ -197,10 +200,11 @@ def checkpoints(section: str, cfg, digest: str, rt: runtime.Runtime, **key):
         problem, across = runtime.broadcast_object((problem, across))
         if problem:
             raise config.UserError(problem)
-        if across:
-            RESUMED_ACROSS_CODE[section] = across
         ckpt.WRITER.clear()
         ckpt.WRITER.update(writer)
+        if across:  # the checkpoints this run writes carry it on, to every run that resumes them
+            RESUMED_ACROSS_CODE[section] = across
+            ckpt.WRITER[ckpt.ACROSS_CODE] = across
         yield folder
 
 
@@ -215,24 +219,34 @@ def resume_problem(folder: Path, writer: dict) -> tuple[str | None, str | None]:
     it: resuming one of other code would publish a model trained partly by that code under this one's
     commit, and torch's distributed checkpoints promise no compatibility across versions. A SLURM requeue
     of the same code resumes as ever. PIPELINE_RESUME=fresh sets the folder aside and starts over;
-    PIPELINE_RESUME=across-code resumes and tags the run and its models."""
+    PIPELINE_RESUME=across-code resumes and tags the run and its models. Checkpoints that a run resumed
+    across a change wrote record it (ckpt.ACROSS_CODE): a run resuming them is tagged the same, asked or not."""
     choice = os.environ.get("PIPELINE_RESUME", "")
     if choice and choice not in RESUME_CHOICES:
         return f"PIPELINE_RESUME={choice}: unknown; valid: {', '.join(RESUME_CHOICES)} (or unset)", None
-    differences = []
+    differences, carried = [], None
     for path in ckpt.checkpoints(folder):
         written = ckpt.read_writer(path)
+        carried = carried or written.get(ckpt.ACROSS_CODE)
         change = ckpt.writer_change(written, writer)
         if change:
             differences.append((path, written, change))
+    if not differences and not (carried and choice == "fresh"):
+        # Written by this code, but by a run that resumed across a change: what it built on goes on
+        # being named, by this run and every later one, until PIPELINE_RESUME=fresh sets them aside.
+        return None, carried
     if not differences:
+        aside = ckpt.set_aside(folder)
+        print(
+            f"PIPELINE_RESUME=fresh: checkpoints resumed across code set aside in {aside}; starting afresh", flush=True
+        )
         return None, None
     path, written, change = differences[0]
     old = f"code {written.get('code_sha256', 'unknown')[:12]}, torch {written.get('torch', 'unknown')}"
     new = f"code {writer['code_sha256'][:12]}, torch {writer['torch']}"
     if choice == "across-code":
         print(f"warning: resuming {path} across a change ({change}), as PIPELINE_RESUME=across-code asks", flush=True)
-        return None, f"{old} -> {new}"
+        return None, "; ".join(t for t in (carried, f"{old} -> {new}") if t)
     if choice == "fresh":
         aside = ckpt.set_aside(folder)
         print(f"PIPELINE_RESUME=fresh: checkpoints of other code set aside in {aside}; starting afresh", flush=True)
@@ -268,7 +282,8 @@ def code_record(section: str) -> dict:
     commit: an unrelated commit must not change an output's hash (the commit is in the MLflow run and
     the registered model's lineage)."""
     module = f"stages.{section}"
-    return {"code_sha256": ckpt.writer_record(module)["code_sha256"], "packages": provenance.packages(module)}
+    record = {"code_sha256": ckpt.writer_record(module)["code_sha256"], "packages": provenance.packages(module)}
+    return record | environment.output_record(section)  # (a run on other packages than the recorded ones)
 
 
 def read_figures(folder: str | Path) -> dict:
