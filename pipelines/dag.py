@@ -13,7 +13,8 @@ A stage's dependencies are the table's data deps plus two kinds the table does n
   - its environment: pipelines/packages/<family>.txt, the pinned versions of the packages the stages of
     its container family import (transitively, by their declared requirements), generated from
     requirements.lock by `write`. Upgrading one of them re-runs the family's stages; a package no stage
-    imports (pytest, ruff) re-runs nothing.
+    imports (pytest, ruff) re-runs nothing. Each stage checks the versions installed where it runs against
+    this file before any compute (stages.common.environment), so what dvc.lock records is what ran.
 The launcher (`python -m pipelines.launch`) is how a stage is started, not what it computes: not a dep.
 
 What a stage measures (`measured` in the table: throughput, seconds, peak memory) is written outside its
@@ -36,10 +37,12 @@ from pathlib import Path
 
 import yaml
 
+from stages.common import environment
+
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = ROOT / "pipelines" / "stages.yaml"
 LOCK = ROOT / "requirements.lock"
-PACKAGES = "pipelines/packages/{family}.txt"
+PACKAGES = environment.PACKAGES  # pipelines/packages/{family}.txt, which each stage checks before it runs
 PACKAGES_HEADER = (
     "# Generated from requirements.lock by `python -m pipelines.dag write` (make dag): the pinned packages the\n"
     "# stages of the {family} family import, with everything they require. A dependency of each of those\n"
@@ -207,7 +210,7 @@ def load_table(path: Path = TABLE) -> dict[str, Stage]:
 
 def family(resources: dict) -> str:
     """The container family a stage runs in (containers/<family>/): its image's name."""
-    return Path(resources["container"]).stem
+    return environment.family(resources["container"])
 
 
 @functools.lru_cache(maxsize=4)

@@ -18,6 +18,9 @@ The links, from what a reader sees back to what made it:
             it (output_dvc_md5), from these params (params_sha256) and this code (code_sha256); the
             version under the alias `reproduced` is one of those
   checkpoints  each checkpoint left in checkpoints/ matches its manifest, and was written by this code
+  environment  the packages installed here are the versions of the package files dvc.lock's stages
+            depend on (pipelines/packages/<family>.txt); a difference is a note naming them, as the stages
+            themselves refuse to run on other versions (stages.common.environment)
 One line per link: `ok`, or `BROKEN` with what is broken, where, and the command that mends it; the
 exit code is 1 when a link is broken. `--against` prints per out `identical` (the same md5), `within
 the recorded tolerance` (it differs, and every reproduced result in it, a results.json row, is within
@@ -329,6 +332,40 @@ def check_checkpoints(root: Path, r: Report) -> None:
         r.ok("checkpoints", "none left (every run finished)")
 
 
+def check_environment(root: Path, lock: dict, r: Report) -> None:
+    """The packages installed here against each family's package file (pipelines/packages/<family>.txt)
+    that dvc.lock's stages depend on. A difference is a note, not a broken link: every stage refuses to run
+    on packages other than the recorded ones (stages.common.environment), so dvc.lock's record of what
+    made its outs holds; the note says that a stage re-run here would be refused, and names the packages.
+    (This interpreter is not always where the stages ran: a family's container has its own.)"""
+    import fnmatch
+
+    from stages.common import environment
+
+    users: dict[str, list[str]] = {}
+    for stage, entry in sorted((lock.get("stages") or {}).items()):
+        for dep in entry.get("deps") or ():
+            if fnmatch.fnmatch(str(dep.get("path", "")), environment.PACKAGES.format(family="*")):
+                users.setdefault(dep["path"], []).append(stage)
+    for path, stages in sorted(users.items()):
+        try:
+            pins = environment.recorded(root / path)
+        except OSError:
+            continue  # (a changed dep of those stages: the causes link names it)
+        found = environment.differences(pins, environment.installed())
+        whose = f"{path} (recorded for {len(stages)} stage(s) of dvc.lock: {', '.join(stages)})"
+        if found:
+            family = Path(path).stem
+            r.note(
+                "environment",
+                f"the packages installed here differ from {whose}: {environment.describe(found)}; a re-run of "
+                f"those stages here is refused: `make venv` installs the recorded versions (in containers/"
+                f"{family}.sif the stages run on the image's own)",
+            )
+        else:
+            r.ok("environment", f"the packages installed here are those of {whose}")
+
+
 def compare(root: Path, lock: dict, against: Path) -> int:
     """Per out of this run: identical, within the recorded tolerance, or differs from the other run's."""
     other_root = against if against.is_dir() else against.parent
@@ -392,6 +429,7 @@ def main(argv=None) -> int:
         rehash_outs(root, lock, r)
     check_registry(root, lock, r)
     check_checkpoints(root, r)
+    check_environment(root, lock, r)
     print(f"{r.broken} broken link(s)" if r.broken else "every link holds")
     code = 1 if r.broken else 0
     if args.against is not None:
