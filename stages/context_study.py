@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.common import atomic, config, digest, stage, track
+from stages.common import atomic, config, digest, environment, stage, track
 
 STAGE = "context_study"
 PI = "Chen et al. 2023 (Position Interpolation)"
@@ -333,7 +333,9 @@ def main(argv=None) -> dict:
     def body(rt, stop):
         if rt.is_main:
             inputs_hash = digest.hash_files([extend / "meta.json", evaluated / "figures.json"])
-            with track.start_run(STAGE, config.as_dict(cfg), inputs_hash, rt) as tracker:
+            with track.start_run(
+                STAGE, config.as_dict(cfg), inputs_hash, rt, tags=environment.run_tags(STAGE)
+            ) as tracker:
                 with atomic.folder(output) as tmp:
                     write_study(tmp, meta, lengths, table, positions, rows)
                 tracker.log_metrics({f"{name}.ppl_{n}": p for name, t in table.items() for n, p in t.items()})

@@ -64,7 +64,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.common import atomic, config, digest, registry, runtime, stage, track
+from stages.common import atomic, config, digest, environment, registry, runtime, stage, track
 
 STAGE = "report"
 ROW_FIELDS = (
@@ -489,7 +489,9 @@ def main(argv=None) -> dict:
         doc = None
         if rt.is_main:
             metric_files = [p / n for p in inputs for n in ("figures.json", "metrics.json") if (p / n).is_file()]
-            with track.start_run(STAGE, config.as_dict(cfg), digest.hash_files(metric_files), rt) as tracker:
+            with track.start_run(
+                STAGE, config.as_dict(cfg), digest.hash_files(metric_files), rt, tags=environment.run_tags(STAGE)
+            ) as tracker:
                 doc = build_report(inputs)
                 doc["regression"] = regression(doc["stage_metrics"], config.read_yaml(args.params), cfg)
                 measured = build_measured(measured_inputs, raw_data_files(inputs))

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pipelines import verify
-from stages.common import config, environment, stage
+from stages import prepare_data
+from stages.common import config, environment, stage, track
 
 ROOT = Path(__file__).resolve().parent.parent
 GNN = "pipelines/packages/gnn.txt"
@@ -81,6 +82,23 @@ def test_a_run_that_opted_out_records_the_versions_it_ran_on(monkeypatch, capsys
         == f"PIPELINE_ENVIRONMENT=any: the installed packages are those {GNN} records"
     )
     assert "environment" not in stage.code_record("pretrain")
+
+
+def test_a_stage_that_opens_its_run_itself_tags_it_too(workdir, monkeypatch):
+    """prepare_data, context_study and report open their MLflow runs without stage.tracked; the opt-out
+    reaches them all the same (prepare_data, the cheapest, run here)."""
+    monkeypatch.setenv("PIPELINE_TRACKING", "off")
+    monkeypatch.setenv("PIPELINE_ENVIRONMENT", "any")
+    install(monkeypatch, xxhash="4.0.0")
+    opened, start_run = [], track.start_run
+
+    def recording(section, params, inputs_hash, rt, tags=None):
+        opened.append(tags)
+        return start_run(section, params, inputs_hash, rt, tags=tags)
+
+    monkeypatch.setattr(track, "start_run", recording)
+    prepare_data.main(["--output", "out", "instructions=none", "graphs=[]"])
+    assert opened == [{"environment": "PIPELINE_ENVIRONMENT=any: xxhash 4.1.0 recorded, 4.0.0 installed"}]
 
 
 @pytest.mark.parametrize("tool", ["DVC_ROOT", "PIPELINE_SNAKEMAKE"])
