@@ -13,10 +13,13 @@ seconds (before the first step: FIRST_STEP_FACTOR x train.hang_timeout_s, for lo
 its thread reports this rank through the process group's key-value store (its Python stacks, its host,
 the steps it finished, and whether it waits inside a collective). Rank 0 collects every rank's report,
 prints them into the stage log in rank order, names the stalled rank(s) and host(s): the ranks that do
-not wait in a collective (when every rank waits in one, the collectives themselves do not match, and
-all are named). It then marks the stage's MLflow run FAILED with the cause tagged (`failure`: hang) and
-ends the stage with one line and exit code HANG_EXIT; the checkpoints already written stay, so a re-run
-resumes from the last intact one. A rank whose reports cannot reach rank 0 prints its own and exits.
+not wait in a collective, and the ranks that sent no report at all (a process frozen whole, or one its
+host lost), by where they were last seen: every rank's watchdog thread keeps its host and place in the
+store as the run goes. When every rank reports and waits in a collective, the collectives themselves do
+not match, and all are named. It then marks the stage's MLflow run FAILED with the cause tagged
+(`failure`: hang) and ends the stage with one line and exit code HANG_EXIT; the checkpoints already
+written stay, so a re-run resumes from the last intact one. A rank whose reports cannot reach rank 0
+prints its own and exits.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ HANG_EXIT = 124  # the stage ended because a rank made no progress (as GNU timeo
 HANG_STEP_MULTIPLE = 10  # a step that takes this many median steps is a hang ...
 FIRST_STEP_FACTOR = 3  # ... and before the first step: this many times the floor (loading, compiling)
 COLLECT_S = 15.0  # how long rank 0 waits for the other ranks' reports
+FREEZE_AFTER_S = 2.0  # injected_stall's wait before it freezes: longer than a watchdog tick (at most 1 s)
 
 # Frames that mean "this rank waits for the others": the collectives' Python side, and the autograd
 # engine, inside which DDP's gradient all-reduce runs.
@@ -45,11 +49,21 @@ WAITING_FILES = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
 
 def injected_stall(rank: int, index: int) -> None:
     """Fault injection for the watchdog's tests: PIPELINE_FAULT_STALL=<rank>:<step> stops that rank before
-    that step (0-based) for good."""
-    fault = os.environ.get("PIPELINE_FAULT_STALL")
-    if fault and fault == f"{rank}:{index}":
-        while True:
-            time.sleep(3600)
+    that step (0-based) for good, its watchdog still running. <rank>:<step>:frozen freezes the whole process
+    there instead, as native code that never returns and holds the interpreter: its watchdog thread can no
+    longer report, and rank 0 names it by where it was last seen (it freezes FREEZE_AFTER_S after stopping,
+    past a tick of its watchdog, so that place is this step). A signal (torchrun's, at the end) ends it."""
+    fault = os.environ.get("PIPELINE_FAULT_STALL", "").split(":")
+    if fault[:2] != [str(rank), str(index)]:
+        return
+    if fault[2:] == ["frozen"]:
+        import ctypes
+
+        time.sleep(FREEZE_AFTER_S)
+        ctypes.PyDLL(None).pause()  # (a PyDLL call keeps the interpreter's lock: no other thread runs)
+        os._exit(143)
+    while True:
+        time.sleep(3600)
 
 
 def hang_limit(floor_s: float, steps_s: list[float]) -> float:
@@ -135,11 +149,27 @@ class Watchdog:
         self.closed.set()
 
     def _watch(self) -> None:
+        seen = self._publish(None)
         while not self.closed.wait(min(1.0, self.floor_s / 10)):
+            seen = self._publish(seen)
             idle, limit = time.monotonic() - self.last, self.limit()
             if idle > limit:
                 self._fire(idle, limit)
                 return
+
+    def _publish(self, seen: tuple | None) -> tuple | None:
+        """Keep this rank's host and place in the store when they changed since `seen` (what was kept last),
+        from this thread, off the training loop: should the whole process freeze, its report never comes,
+        and rank 0 names it by what is kept. Returns what is kept now (None: nothing, or the store failed)."""
+        now = (self.done, self.where)
+        if self.store is None or now == seen:
+            return seen
+        state = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "done": now[0], "where": now[1]}
+        try:
+            self.store.set(f"watchdog/seen/{self.rank}", json.dumps(state))
+        except Exception:  # noqa: BLE001 - the store is gone: this rank reports alone when it fires
+            return None
+        return now
 
     def _fire(self, idle: float, limit: float) -> None:
         stacks, waiting = stack_report(self.main_ident)
@@ -161,20 +191,8 @@ class Watchdog:
             store = None
         if self.rank != 0 and store is not None and self._wait_for_rank0(store):
             os._exit(HANG_EXIT)  # rank 0 printed this rank's report with the others'
-        reports = self._collect(store) if self.rank == 0 else {}
-        reports.setdefault(self.rank, report)
-        message = self.message(reports, limit)
-        out = [f"\nhang watchdog: rank {self.rank} made no progress for {idle:.0f} s (limit {limit:.0f} s)"]
-        for rank in sorted(reports):
-            r = reports[rank]
-            state = "waits in a collective" if r["waiting"] else "does not wait in a collective"
-            out.append(f"[rank {rank}] {r['host']} pid {r['pid']}, {r['where']}, {state}; Python stacks:")
-            out.append(r["stacks"])
-        missing = sorted(set(range(self.world_size)) - set(reports)) if self.rank == 0 else []
-        if missing:
-            out.append(f"(no report from rank(s) {', '.join(map(str, missing))} within {COLLECT_S:.0f} s)")
-        out.append(f"error: {message}")
-        sys.stderr.write("\n".join(out) + "\n")
+        out, message = self.account(store, report, idle, limit)
+        sys.stderr.write(out + "\n")
         sys.stderr.flush()
         if self.on_hang is not None and self.rank == 0:
             try:
@@ -188,6 +206,25 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - the others then report alone
                 pass
         os._exit(HANG_EXIT)  # the main thread is stuck: no clean way out
+
+    def account(self, store, report: dict, idle: float, limit: float) -> tuple[str, str]:
+        """(what this rank prints: every report collected, in rank order, and last the error line; the
+        line's message). Rank 0 collects the others' reports from `store`; the ranks whose report does not
+        come are named by where they were last seen."""
+        reports = self._collect(store) if self.rank == 0 else {}
+        reports.setdefault(self.rank, report)
+        missing = sorted(set(range(self.world_size)) - set(reports)) if self.rank == 0 else []
+        message = self.message(reports, limit, self._last_seen(store, missing))
+        out = [f"\nhang watchdog: rank {self.rank} made no progress for {idle:.0f} s (limit {limit:.0f} s)"]
+        for rank in sorted(reports):
+            r = reports[rank]
+            state = "waits in a collective" if r["waiting"] else "does not wait in a collective"
+            out.append(f"[rank {rank}] {r['host']} pid {r['pid']}, {r['where']}, {state}; Python stacks:")
+            out.append(r["stacks"])
+        if missing:
+            out.append(f"(no report from rank(s) {', '.join(map(str, missing))} within {COLLECT_S:.0f} s)")
+        out.append(f"error: {message}")
+        return "\n".join(out), message
 
     @staticmethod
     def _wait_for_rank0(store) -> bool:
@@ -219,16 +256,37 @@ class Watchdog:
             time.sleep(0.2)
         return reports
 
-    def message(self, reports: dict, limit: float) -> str:
-        """One line: who stalled, where, and what is kept."""
-        stalled = [r for _, r in sorted(reports.items()) if not r["waiting"]]
+    @staticmethod
+    def _last_seen(store, ranks: list[int]) -> dict:
+        """{rank: its host and place as its watchdog last kept them ({} when it kept none)} of `ranks`."""
+        seen = {}
+        for rank in ranks:
+            seen[rank] = {}
+            try:
+                if store is not None and store.check([f"watchdog/seen/{rank}"]):
+                    seen[rank] = json.loads(store.get(f"watchdog/seen/{rank}"))
+            except Exception:  # noqa: BLE001 - a store that stopped answering: name the rank alone
+                pass
+        return seen
+
+    def message(self, reports: dict, limit: float, silent: dict | None = None) -> str:
+        """One line: who stalled, where, and what is kept. The stalled: the ranks that report but do not
+        wait in a collective, and the `silent` ones ({rank: where it was last seen}), which sent no report."""
+        stalled = [
+            f"rank {r['rank']} on {r['host']} ({r['where']})" for _, r in sorted(reports.items()) if not r["waiting"]
+        ]
+        for rank, seen in sorted((silent or {}).items()):
+            if seen:
+                stalled.append(f"rank {rank} on {seen['host']} (last seen {seen['where']}; it sent no report)")
+            else:
+                stalled.append(f"rank {rank} (it sent no report, and kept no place)")
         if stalled:
-            who = "; ".join(f"rank {r['rank']} on {r['host']} ({r['where']})" for r in stalled)
-            cause = f"{who} made no progress for {limit:.0f} s"
+            cause = f"{'; '.join(stalled)} made no progress for {limit:.0f} s"
         else:
             who = ", ".join(f"rank {r['rank']} on {r['host']}" for _, r in sorted(reports.items()))
             cause = f"every rank reporting ({who}) waits in a collective for {limit:.0f} s: they do not match"
         return (
             f"hang: {cause} (train.hang_timeout_s {self.floor_s:g} s, or {HANG_STEP_MULTIPLE} median steps); "
-            f"the stacks of every rank are above; a re-run resumes from the last intact checkpoint"
+            f"the stacks of {'the ranks that reported' if silent else 'every rank'} are above; a re-run resumes "
+            "from the last intact checkpoint"
         )
