@@ -29,6 +29,7 @@ Run:
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import itertools
 import json
@@ -70,8 +71,42 @@ class Config:
             raise ValueError("train_max_bytes must be >= 0 (0 means the whole train split)")
 
 
-def check_input(folder: Path) -> None:
-    """Fail before any compute when prepare_data's output is missing or incomplete."""
+def min_train_bytes(cfg: Config) -> int:
+    """The least train text that can teach the configured vocabulary. A byte-level BPE starts from 256 byte
+    symbols and the special tokens and learns one merge per further token; a merge needs a pair seen
+    min_frequency times and turns each of those pairs into one symbol, so learning every merge takes at
+    least (vocab_size - base) x min_frequency bytes. On less (an empty split: none) the trainer stops early
+    and the stage would publish a smaller vocabulary than params.yaml asks for. Never less than one byte."""
+    return max(1, (cfg.vocab_size - 256 - len(shards.SPECIAL_TOKENS)) * cfg.min_frequency)
+
+
+# The least text of the val and test splits. A loss over ~1,000 tokens has a standard error near 0.1 nats
+# (per-token losses spread over ~3 nats), already too coarse to compare runs by; 4 KiB of text is about
+# that many tokens of a byte-level BPE (3-4 bytes per token).
+MIN_HELD_OUT_BYTES = 4096
+UTF8_BLOCK = 16 << 20  # bytes read at a time when a split is checked for UTF-8
+
+
+def utf8_error(path: Path) -> str | None:
+    """Where `path` stops being UTF-8 ("byte N (b'...')"), or None; read in blocks of bounded size."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(UTF8_BLOCK)
+            held = decoder.getstate()[0]  # (the start of a character cut by the previous block)
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                return f"byte {offset - len(held) + e.start} ({e.object[e.start : e.start + 1]!r})"
+            if not block:
+                return None
+            offset += len(block)
+
+
+def check_input(folder: Path, cfg: Config) -> None:
+    """Fail before any compute when prepare_data's output is missing or incomplete, a split is empty or
+    too small to train or measure on, or its text is not UTF-8."""
     for split in SPLITS:
         for name in (f"{split}.txt", f"{split}.docs.npy"):
             if not (folder / "corpus" / name).is_file():
@@ -79,6 +114,38 @@ def check_input(folder: Path) -> None:
                     f"tokenize: {folder / 'corpus' / name} not found; run prepare_data first "
                     f"(snakemake prepare_data / dvc repro prepare_data) or pass --input"
                 )
+    more = "give prepare_data more text (prepare_data.max_bytes, or a larger corpus) and run it again"
+    for split in SPLITS:
+        path = folder / "corpus" / f"{split}.txt"
+        size = path.stat().st_size
+        if split == "train":
+            least = min_train_bytes(cfg)
+            used = min(size, cfg.train_max_bytes or size)
+            why = (
+                f"at least {least:,} to learn tokenize.vocab_size {cfg.vocab_size} ((vocab_size - 258) x "
+                f"min_frequency {cfg.min_frequency})"
+            )
+            if used < least and size >= least:
+                raise config.UserError(
+                    f"tokenize: tokenize.train_max_bytes {cfg.train_max_bytes:,} trains on fewer bytes of {path} "
+                    f"than the tokenizer needs: {why}; raise train_max_bytes (0: the whole split)"
+                )
+            if size < least:
+                raise config.UserError(
+                    f"tokenize: {path} holds {size:,} bytes of text, the tokenizer needs {why}; {more}, "
+                    "or lower tokenize.vocab_size"
+                )
+        elif size < MIN_HELD_OUT_BYTES:
+            raise config.UserError(
+                f"tokenize: {path} holds {size:,} bytes of text, fewer than the {MIN_HELD_OUT_BYTES:,} a "
+                f"{split} split needs for a loss to compare runs by; {more}"
+            )
+        where = utf8_error(path)
+        if where:
+            raise config.UserError(
+                f"tokenize: {path} is not valid UTF-8 at {where}; re-encode it as UTF-8 (e.g. iconv -f latin1 "
+                f"-t utf-8) or run prepare_data again, which writes UTF-8"
+            )
 
 
 def iter_lines(path: Path, limit: int = 0):
@@ -400,7 +467,7 @@ def run(cfg: Config, inp: Path, output: Path, measured: Path, rt: runtime.Runtim
 def main(argv=None) -> dict:
     args, cfg = stage.setup(__doc__, STAGE, Config, {"input": "data/prepare_data", "output": "data/tokenize"}, argv)
     inp, output = Path(args.input), Path(args.output)
-    check_input(inp)
+    check_input(inp, cfg)
     measured = Path(args.measured)
     return stage.launch(STAGE, lambda rt, stop: run(cfg, inp, output, measured, rt))
 

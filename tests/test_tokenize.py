@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from conftest import TRACKED, run_stage, stage_env
 
-from stages.common import shards
+from stages import tokenize
+from stages.common import config, shards
 
 ARGS = ["--input", "data/prepare_data", "--output"]
 
@@ -99,6 +100,70 @@ def test_bad_input_fails_before_writing(prepared, tmp_path):
     proc = run_stage("tokenize", ["--input", "nowhere", "--output", "out"], cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "nowhere/corpus/train.txt not found; run prepare_data first" in proc.stderr
     assert not list(tmp_path.glob("*out*")) and not (tmp_path / "mlflow.db").exists()
+
+
+PROSE = b"Now is the winter of our discontent made glorious summer by this sun of York;\n" * 64  # (5 kB)
+
+
+def corpus(root, **splits: bytes):
+    """prepare_data's output in root: each split one document of PROSE, or the bytes given."""
+    folder = root / "corpus"
+    folder.mkdir(parents=True)
+    for split in tokenize.SPLITS:
+        text = splits.get(split, PROSE)
+        (folder / f"{split}.txt").write_bytes(text)
+        np.save(folder / f"{split}.docs.npy", np.zeros(1 if text else 0, np.int64))
+    return root
+
+
+@pytest.mark.parametrize(
+    "splits, override, message",
+    [
+        ({"train": b""}, [], "train.txt holds 0 bytes of text, the tokenizer needs at least 508 to learn "),
+        (
+            {"train": PROSE[:500]},
+            [],
+            "train.txt holds 500 bytes of text, the tokenizer needs at least 508 to learn tokenize.vocab_size 512 "
+            "((vocab_size - 258) x min_frequency 2); give prepare_data more text",
+        ),
+        ({}, ["train_max_bytes=400"], "tokenize.train_max_bytes 400 trains on fewer bytes of "),
+        ({"val": b""}, [], "val.txt holds 0 bytes of text, fewer than the 4,096 a val split needs"),
+        ({"test": PROSE[:4000]}, [], "test.txt holds 4,000 bytes of text, fewer than the 4,096 a test split needs"),
+        (
+            {"train": PROSE + b"caf\xe9 au lait\n"},
+            [],
+            f"train.txt is not valid UTF-8 at byte {len(PROSE) + 3} (b'\\xe9'); re-encode it as UTF-8",
+        ),
+        ({"test": PROSE + b"\xe2\x82"}, [], f"test.txt is not valid UTF-8 at byte {len(PROSE)} (b'\\xe2')"),
+    ],
+    ids=["train-empty", "train-small", "train_max_bytes-small", "val-empty", "test-small", "latin1", "cut-character"],
+)
+def test_empty_small_or_undecodable_splits_fail_before_training(tmp_path, monkeypatch, splits, override, message):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPELINE_TRACKING", "off")
+    monkeypatch.setenv("PIPELINE_CHECKPOINTS", str(tmp_path / "checkpoints"))
+    params = tmp_path / "params.yaml"
+    params.write_text(
+        "tokenize: {vocab_size: 512, min_frequency: 2, train_max_bytes: 0, batch_lines: 64, shard_tokens: 4096}\n"
+    )
+    inp = corpus(tmp_path / "in", **splits)
+    with pytest.raises(config.UserError, match=re.escape(message)):
+        tokenize.main(["--params", str(params), "--input", str(inp), "--output", "out", *override])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "params.yaml"], "nothing written"
+
+
+def test_utf8_check_names_the_byte_across_read_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(tokenize, "UTF8_BLOCK", 3)  # (characters cut by the blocks' borders)
+    path = tmp_path / "text.txt"
+    for text, where in [
+        ("aé€😀b\n".encode(), None),
+        (b"", None),
+        ("a€".encode() + b"\xff", "byte 4 (b'\\xff')"),
+        ("ab€".encode()[:-1], "byte 2 (b'\\xe2')"),  # (the file ends inside a character)
+        (b"abc\xc3(", "byte 3 (b'\\xc3')"),
+    ]:
+        path.write_bytes(text)
+        assert tokenize.utf8_error(path) == where, text
 
 
 def test_shard_writer_rolls_over_and_dtype_follows_vocab(tmp_path):
