@@ -161,7 +161,20 @@ def processes(stage: str, env: dict) -> tuple[int, int]:
     nproc = int(res["nproc_per_node"])
     if res.get("gpus_per_node", 0) and visible_gpus():
         nproc = min(int(res["gpus_per_node"]), visible_gpus())
-    return int(env.get("PIPELINE_NPROC_PER_NODE", nproc)), int(res["nodes"])
+    override = env.get("PIPELINE_NPROC_PER_NODE")
+    if override is not None:
+        if not (override.strip().isdecimal() and int(override) > 0):
+            # (int() would end the launcher in a traceback; 0 or less would start one process, which its
+            # preflight then refuses)
+            print(
+                f"error: launch: PIPELINE_NPROC_PER_NODE={override!r} is not a number of processes; set it to a "
+                f"positive integer (1, 2, ...: processes per node), or unset it for {name}'s own ({nproc})",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(2)
+        nproc = int(override)
+    return nproc, int(res["nodes"])
 
 
 def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:

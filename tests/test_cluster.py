@@ -152,6 +152,27 @@ def test_a_layout_the_processes_cannot_form_is_refused_before_any_start(monkeypa
     assert launch.command("pretrain", ["train.tensor_parallel=many"], env)
 
 
+def test_a_process_count_that_is_not_a_positive_integer_is_one_line_before_any_start(tmp_path, monkeypatch, capsys):
+    """PIPELINE_NPROC_PER_NODE=abc (or 0, or -1): the launcher ends with one line naming the variable and what
+    it takes, exit code 2, before it starts anything."""
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
+    for value in ("0", "-1", "2.5", ""):
+        with pytest.raises(SystemExit) as ended:
+            launch.processes("pretrain", {"PIPELINE_NPROC_PER_NODE": value})
+        assert ended.value.code == 2
+        assert f"PIPELINE_NPROC_PER_NODE={value!r} is not a number of processes" in capsys.readouterr().err
+    assert launch.processes("pretrain", {"PIPELINE_NPROC_PER_NODE": "3"}) == (3, 1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PIPELINE_NPROC_PER_NODE": "abc", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.launch", "tokenize"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and proc.stderr == (
+        "error: launch: PIPELINE_NPROC_PER_NODE='abc' is not a number of processes; set it to a positive integer "
+        "(1, 2, ...: processes per node), or unset it for tokenize's own (2)\n"
+    ), proc.stderr
+    assert not list(tmp_path.iterdir()), "nothing started, nothing written"
+
+
 def test_every_stage_names_a_container_that_is_defined_and_passed_to_snakemake(tmp_path):
     dump = tmp_path / "rules.json"
     subprocess.run(
