@@ -250,6 +250,10 @@ def shard_stream(folder: Path, cfg: Config):
             f"eval_perplexity: no tokenizer in {folder / 'tokenizer'} (the tokenize stage writes it "
             f"beside the shards); re-run tokenize, or pass --text FILE to use each model's own"
         )
+    try:
+        shards.check_tokenizer(folder)
+    except config.UserError as e:
+        raise config.UserError(f"eval_perplexity: {e}") from None
     tok = AutoTokenizer.from_pretrained(folder / "tokenizer")
     split = meta["splits"][cfg.split]
     return make_stream(ids, tok, (split["bytes"], split["words"]), cfg, meta["bos_token_id"]), tok

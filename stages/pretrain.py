@@ -102,6 +102,10 @@ def check_input(folder: Path) -> dict:
     tok_dir = folder / "tokenizer"
     if not (tok_dir / "tokenizer.json").is_file():
         raise config.UserError(f"pretrain: no tokenizer in {tok_dir}; re-run tokenize")
+    try:
+        shards.check_tokenizer(folder)
+    except config.UserError as e:
+        raise config.UserError(f"pretrain: {e}") from None
     from transformers import AutoTokenizer
 
     n = len(AutoTokenizer.from_pretrained(tok_dir))

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import TRACKED, run_stage, stage_env
+from conftest import ROOT, TRACKED, run_stage, stage_env
 
 from stages import tokenize
 from stages.common import config, shards
@@ -164,6 +164,33 @@ def test_utf8_check_names_the_byte_across_read_blocks(tmp_path, monkeypatch):
     ]:
         path.write_bytes(text)
         assert tokenize.utf8_error(path) == where, text
+
+
+def test_a_truncated_tokenizer_file_is_one_error_in_the_stages_that_read_it(tmp_path, monkeypatch):
+    """The tokenize output of a tiny corpus, its tokenizer.json then cut short: pretrain and eval_perplexity
+    refuse it before any compute, naming the file and how to make it again."""
+    from stages import eval_perplexity, pretrain
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPELINE_TRACKING", "off")
+    monkeypatch.setenv("PIPELINE_CHECKPOINTS", str(tmp_path / "checkpoints"))
+    params = tmp_path / "params.yaml"
+    params.write_text(
+        "tokenize: {vocab_size: 300, min_frequency: 2, train_max_bytes: 0, batch_lines: 64, shard_tokens: 4096}\n"
+    )
+    tokenize.main(["--params", str(params), "--input", str(corpus(tmp_path / "in")), "--output", "out"])
+    assert pretrain.check_input(tmp_path / "out")["vocab_size"] == 300
+    path = tmp_path / "out/tokenizer/tokenizer.json"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    message = (
+        re.escape(f"{path} is not whole JSON (")
+        + r".*\): the file is truncated or damaged; re-run tokenize \(dvc repro --force"
+    )
+    with pytest.raises(config.UserError, match=f"pretrain: {message}"):
+        pretrain.check_input(tmp_path / "out")
+    cfg = config.load(eval_perplexity.Config, "eval_perplexity", ROOT / "params.yaml", [])
+    with pytest.raises(config.UserError, match=f"eval_perplexity: {message}"):
+        eval_perplexity.shard_stream(tmp_path / "out", cfg)
 
 
 def test_shard_writer_rolls_over_and_dtype_follows_vocab(tmp_path):

@@ -36,6 +36,7 @@ FORMAT = "flat little-endian token ids, no header"
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN)  # ids 0 and 1
+REDO = "re-run tokenize (dvc repro --force tokenize, or snakemake --forcerun tokenize)"
 
 
 def dtype_for(vocab_size: int) -> np.dtype:
@@ -65,18 +66,28 @@ def check_split(folder: str | Path, split: str) -> None:
         raise KeyError(f"{folder}: no split {split!r}; have {', '.join(meta['splits'])}")
     names, total = meta["splits"][split]["shards"], meta["splits"][split]["tokens"]
     itemsize = np.dtype(meta["dtype"]).itemsize
-    fix = "re-run tokenize (dvc repro --force tokenize, or snakemake --forcerun tokenize)"
     for i, name in enumerate(names):
         path = folder / name
         want = meta["shard_tokens"] if i < len(names) - 1 else total - meta["shard_tokens"] * (len(names) - 1)
         if not path.is_file():
-            raise UserError(f"token shard {path} is missing; {fix}")
+            raise UserError(f"token shard {path} is missing; {REDO}")
         size = path.stat().st_size
         if size != want * itemsize:
             raise UserError(
                 f"token shard {path} holds {size:,} bytes, but {folder / 'meta.json'} counts {want:,} "
-                f"{meta['dtype']} ids ({want * itemsize:,} bytes): the shard is truncated or corrupted; {fix}"
+                f"{meta['dtype']} ids ({want * itemsize:,} bytes): the shard is truncated or corrupted; {REDO}"
             )
+
+
+def check_tokenizer(folder: str | Path) -> None:
+    """Every JSON file of the output's tokenizer/ (tokenizer.json, its config and special tokens) is whole:
+    a truncated one is one clear error, raised before any compute, naming the file and the fix (the
+    tokenizers library would fail on it with a bare parse error). Its presence is the caller's check."""
+    for path in sorted((Path(folder) / "tokenizer").glob("*.json")):
+        try:
+            json.loads(path.read_bytes())
+        except ValueError as e:  # (a JSONDecodeError, or bytes that are not UTF-8)
+            raise UserError(f"{path} is not whole JSON ({e}): the file is truncated or damaged; {REDO}") from None
 
 
 def open_split(folder: str | Path, split: str) -> list[np.memmap]:
