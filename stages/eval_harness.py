@@ -79,6 +79,9 @@ def model_folders(items: list[str]) -> dict[str, Path]:
             continue
         if not (folder / "config.json").is_file():
             raise config.UserError(f"eval_harness: --models {item}: no model (config.json) in {folder}")
+        pickled = hf_folder.pickled_weights(folder)
+        if pickled:
+            raise config.UserError(f"eval_harness: --models {item}: {folder} {pickled}")
         problem = hf_folder.weights_problem(folder, False)
         if problem:
             raise config.UserError(f"eval_harness: --models {item}: {folder} {problem}; the checkpoint is incomplete")
@@ -183,7 +186,7 @@ def evaluate(folder: Path, tasks, cfg: Config, rt: runtime.Runtime) -> tuple[dic
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = runtime.compute_dtype(rt.device, cfg.precision)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(rt.device).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True).to(rt.device).eval()
     lm = HFLM(
         pretrained=model,
         tokenizer=AutoTokenizer.from_pretrained(folder),

@@ -207,6 +207,9 @@ def check_checkpoint(spec: ModelSpec):
             )
         if not (folder / cfg_name).is_file():
             raise config.UserError(f"{where} has no {cfg_name}; it is not a complete checkpoint (save_pretrained)")
+        pickled = hf_folder.pickled_weights(folder, adapter)
+        if pickled:
+            raise config.UserError(f"{where} {pickled}")
         problem = hf_folder.weights_problem(folder, adapter)
         if problem:
             raise config.UserError(f"{where} {problem}; the checkpoint is incomplete")
@@ -454,7 +457,9 @@ def position_buckets(sums: torch.Tensor, edges: tuple[int, ...]) -> dict:
 def load_model(spec: ModelSpec, rt: runtime.Runtime, precision: str = "auto"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=runtime.compute_dtype(rt.device, precision))
+    model = AutoModelForCausalLM.from_pretrained(
+        spec.path, dtype=runtime.compute_dtype(rt.device, precision), use_safetensors=True
+    )
     if spec.adapter is not None:
         from peft import PeftModel
 

@@ -132,6 +132,9 @@ def check_inputs(base: Path, data: Path, cfg: Config):
 
     if not (base / "config.json").is_file():
         raise config.UserError(f"extend_context: {base} has no config.json; pass --base a Hugging Face model folder")
+    pickled = hf_folder.pickled_weights(base)
+    if pickled:
+        raise config.UserError(f"extend_context: {base} {pickled}")
     problem = hf_folder.weights_problem(base)
     if problem:
         raise config.UserError(f"extend_context: {base} {problem}; the checkpoint is incomplete")
@@ -193,7 +196,7 @@ def finetune(
         return ckpt_summary(final)
     runtime.seed_everything(cfg.train.seed)
     # fp32 master weights everywhere; on GPU the loop computes in bf16 under autocast.
-    model = AutoModelForCausalLM.from_pretrained(base, config=model_config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, config=model_config, dtype=torch.float32, use_safetensors=True)
     train_tokens, val_tokens = shards.open_stream(data, "train"), shards.open_stream(data, "val")
     variant_tracker = PrefixedTracker(tracker, name)
     result = loop.fit(model, train_tokens, val_tokens, cfg.train, context, rt, folder, variant_tracker, stop)

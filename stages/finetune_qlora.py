@@ -123,6 +123,9 @@ def check_base(cfg: Config) -> dict:
                 f"finetune_qlora.base: {path} holds no config.json; run the pretrain stage first "
                 f"or set finetune_qlora.base to a model folder or hub id"
             )
+        pickled = hf_folder.pickled_weights(path)
+        if pickled:
+            raise config.UserError(f"finetune_qlora.base: {path} {pickled}")
         problem = hf_folder.weights_problem(path)
         if problem:
             raise config.UserError(
@@ -165,7 +168,7 @@ def load_base(cfg: Config, device: torch.device, quantized: bool):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = runtime.compute_dtype(device)
-    kwargs = {"dtype": dtype, "device_map": {"": device}}
+    kwargs = {"dtype": dtype, "device_map": {"": device}, "use_safetensors": True}
     if quantized:
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,

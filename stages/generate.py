@@ -36,7 +36,7 @@ def generate(
     if temperature <= 0 and not greedy:
         raise config.UserError("generate: --temperature must be > 0 (or use --greedy)")
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True).eval()
     ids = tok(prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
         ids = torch.tensor([[tok.bos_token_id]])

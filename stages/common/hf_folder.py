@@ -1,10 +1,37 @@
 """Hugging Face model folders as stages read them: what a model (or PEFT adapter) folder lacks of its
-weights, before any compute."""
+weights, and weights in a form no stage loads, before any compute."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+
+def pickled_weights(folder: str | Path, adapter: bool = False) -> str | None:
+    """Why the folder's weights are not loaded, as "<cause>; <fix>": they are pickled only (pytorch_model.bin
+    or its shards, adapter_model.bin), with no safetensors beside them. Unpickling a file can run any code
+    it holds, so the stages load safetensors only (from_pretrained(..., use_safetensors=True)). None when
+    safetensors are there, or no weights at all (weights_problem says so)."""
+    from transformers.utils import (
+        ADAPTER_SAFE_WEIGHTS_NAME,
+        ADAPTER_WEIGHTS_NAME,
+        SAFE_WEIGHTS_INDEX_NAME,
+        SAFE_WEIGHTS_NAME,
+        WEIGHTS_INDEX_NAME,
+        WEIGHTS_NAME,
+    )
+
+    folder = Path(folder)
+    safe = (ADAPTER_SAFE_WEIGHTS_NAME,) if adapter else (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)
+    pickled = (ADAPTER_WEIGHTS_NAME,) if adapter else (WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+    found = [name for name in pickled if (folder / name).is_file()]
+    if not found or any((folder / name).is_file() for name in safe):
+        return None
+    return (
+        f"holds its weights only pickled ({found[0]}), a format that can run code when loaded and that no stage "
+        f"loads; convert them to safetensors where the folder is trusted (load it, then save_pretrained(folder, "
+        f"safe_serialization=True)), or give a folder with {safe[0]}"
+    )
 
 
 def weights_problem(folder: str | Path, adapter: bool = False) -> str | None:
