@@ -114,7 +114,7 @@ def check_input(folder: Path, cfg: Config) -> None:
                     f"tokenize: {folder / 'corpus' / name} not found; run prepare_data first "
                     f"(snakemake prepare_data / dvc repro prepare_data) or pass --input"
                 )
-    more = "give prepare_data more text (prepare_data.max_bytes, or a larger corpus) and run it again"
+    more = "give prepare_data more text (a larger corpus, or a higher prepare_data.max_bytes) and run it again"
     for split in SPLITS:
         path = folder / "corpus" / f"{split}.txt"
         size = path.stat().st_size
@@ -137,8 +137,9 @@ def check_input(folder: Path, cfg: Config) -> None:
                 )
         elif size < MIN_HELD_OUT_BYTES:
             raise config.UserError(
-                f"tokenize: {path} holds {size:,} bytes of text, fewer than the {MIN_HELD_OUT_BYTES:,} a "
-                f"{split} split needs for a loss to compare runs by; {more}"
+                f"tokenize: {path} holds {size:,} bytes of text, fewer than the {MIN_HELD_OUT_BYTES:,} a {split} "
+                f"split needs for a loss to compare runs by; raise prepare_data.{split}_fraction (or max_bytes), or "
+                "give it a larger corpus, and run it again"
             )
         where = utf8_error(path)
         if where:
