@@ -4,8 +4,9 @@ A real `mlflow server` behind a TCP proxy that the test switches (Proxy), in mak
   - `hang`: it accepts and never answers (the requests in flight too), then answers again while the stage
     still trains: one warning naming the server within seconds, "answers again", and every step's metrics
     on the server in the end, none lost;
-  - `refuse`: as a killed server, until after the stage ended: the stage publishes its outputs and exits 0
-    after PIPELINE_TRACKING_FLUSH_S, naming the file that keeps its records; `python -m
+  - `hang` until after the stage ended, its system metrics on (MLflow's monitor thread blocked in a
+    request): the stage publishes its outputs and exits 0 within PIPELINE_TRACKING_FLUSH_S (plus
+    END_MARGIN_S) of publishing them, naming the file that keeps its records; `python -m
     stages.common.track resend` sends them once the server is back: every step, the artifacts, the model
     version it could not register, the run FINISHED.
 In make test, on the SQLite store: what a killed stage kept is sent once, from where it stopped.
@@ -30,6 +31,10 @@ from shared_run import BIN
 # Steps of the stage: enough to outlast the hang and its recovery (it is stopped by the test once seen).
 LONG_STEPS = ["train.steps=100000", "train.eval_every=0", "train.checkpoint_every=0"]
 SHORT_STEPS = ["train.steps=200", "train.eval_every=100", "train.checkpoint_every=0"]
+# What a stage does after publishing its outputs besides waiting for the server (its measured figures, the
+# model's digest for the registry, leaving the process), on a loaded machine: its end, MLflow's threads
+# blocked or not, takes at most PIPELINE_TRACKING_FLUSH_S more than this.
+END_MARGIN_S = 4.0
 
 
 class Proxy:
@@ -103,17 +108,20 @@ def server(tmp_path_factory):
         yield port
 
 
-def stage(tokenized: Path, out: str, proxy: Proxy, steps: list[str]) -> subprocess.Popen:
+def stage(tokenized: Path, out: str, proxy: Proxy, steps: list[str], **env) -> subprocess.Popen:
     env = stage_env(
         tokenized,
-        PIPELINE_TRACKING="on",
-        PIPELINE_CHECKPOINTS=str(tokenized / f"ckpts-{out}"),
-        MLFLOW_TRACKING_URI=f"http://127.0.0.1:{proxy.port}",
-        PIPELINE_TRACKING_FLUSH_S="3",
-        PIPELINE_SYSTEM_METRICS="off",
+        **{
+            "PIPELINE_TRACKING": "on",
+            "PIPELINE_CHECKPOINTS": str(tokenized / f"ckpts-{Path(out).name}"),
+            "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{proxy.port}",
+            "PIPELINE_TRACKING_FLUSH_S": "3",
+            "PIPELINE_SYSTEM_METRICS": "off",
+            **env,
+        },
     )
     cmd = [sys.executable, "-m", "stages.pretrain", "--input", "data/tokenize", "--output", out, *TINY_MODEL, *steps]
-    log = open(tokenized / f"{out}.log", "w")  # noqa: SIM115 - closed with the process
+    log = open(tokenized / f"{Path(out).name}.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, cwd=tokenized, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
@@ -142,16 +150,17 @@ def stage_run(client, since_ms: int):
 
 
 @contextlib.contextmanager
-def training_beside(tokenized: Path, server: int, out: str, steps: list[str]):
-    """A pretrain stage writing `out`, tracked through a Proxy to the server, once its run has metrics
-    there: yields (client, proxy, log, process, run); the process is killed if the test leaves it running."""
+def training_beside(tokenized: Path, server: int, out: str, steps: list[str], **env):
+    """A pretrain stage writing `out` (with `env`), tracked through a Proxy to the server, once its run has
+    metrics there: yields (client, proxy, log, process, run); the process is killed if the test leaves it
+    running."""
     import mlflow
 
     client = mlflow.MlflowClient(f"http://127.0.0.1:{server}")
     proxy = Proxy(server)
-    log = tokenized / f"{out}.log"
+    log = tokenized / f"{Path(out).name}.log"
     since = int(time.time() * 1000)
-    proc = stage(tokenized, out, proxy, steps)
+    proc = stage(tokenized, out, proxy, steps, **env)
     try:
         run = wait_for("the stage's run on the server", lambda: stage_run(client, since), proc, log)
         wait_for("its first metrics", lambda: steps_logged(client, run.info.run_id), proc, log)
@@ -185,16 +194,32 @@ def test_a_server_that_hangs_then_returns_loses_nothing_and_holds_nothing_up(tok
 
 @pytest.mark.long
 def test_a_server_lost_until_the_end_gets_the_records_later(tokenized, server):
-    with training_beside(tokenized, server, "lost-refuse", SHORT_STEPS) as (client, proxy, log, proc, run):
-        proxy.set("refuse")
+    # Its artifacts in data/, where a stage's outputs are: records kept on disk are sent from there only.
+    out, flush_s = "data/lost-end", 8.0
+    env = {
+        "PIPELINE_TRACKING_FLUSH_S": str(flush_s),
+        "PIPELINE_SYSTEM_METRICS": "on",
+        "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1",  # (its thread asks the server every second)
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "600",  # ... and waits for its answer until the stage ends
+    }
+    published = tokenized / out / "model/model.safetensors"
+    with training_beside(tokenized, server, out, SHORT_STEPS, **env) as (client, proxy, log, proc, run):
+        proxy.set("hang")
+        wait_for("the published outputs", lambda: published.is_file() or proc.poll() is not None, proc, log, 600)
+        published_at = time.monotonic()
         assert proc.wait(600) == 0, log.read_text()[-3000:]
+        ended_s = time.monotonic() - published_at
+    assert ended_s <= flush_s + END_MARGIN_S, (
+        f"the stage exited {ended_s:.1f} s after publishing its outputs, with PIPELINE_TRACKING_FLUSH_S={flush_s}"
+    )
     lines = log.read_text()
     assert "is not taking this run's records" in lines and "did not reach" in lines, lines[-3000:]
     assert "the model version(s) are registered when the run's kept records are sent" in lines
-    assert (tokenized / "lost-refuse/model/model.safetensors").is_file(), "the outputs are published"
-    (kept,) = (tokenized / "logs/mlflow-unsent").glob("*.jsonl")
+    assert published.is_file(), "the outputs are published"
+    (kept,) = (tokenized / "logs/mlflow-unsent").glob(f"{run.info.run_id}.jsonl")
     assert str(kept) in lines
     assert client.get_run(run.info.run_id).info.status == "RUNNING"
+    print(f"the stage exited {ended_s:.1f} s after publishing its outputs (PIPELINE_TRACKING_FLUSH_S={flush_s})")
     proxy.set("pass")
     env = stage_env(tokenized, MLFLOW_TRACKING_URI=f"http://127.0.0.1:{proxy.port}")
     sent = subprocess.run(
@@ -216,7 +241,6 @@ def test_kept_records_are_sent_once_from_where_their_writer_stopped(tmp_path, mo
     cut short by the kill is passed over, a model version sent twice is registered once, and a file whose
     writer still runs is left to it."""
     import fcntl
-    import json
 
     import mlflow
 
@@ -237,14 +261,17 @@ def test_kept_records_are_sent_once_from_where_their_writer_stopped(tmp_path, mo
     assert len(client.search_model_versions("name = 'tiny'")) == 1
     assert not (tmp_path / track.UNSENT).exists(), "a stage whose records all went out leaves no file"
 
-    # A file as a killed writer leaves it: `a` sent and marked, `b` not, then half a line.
-    kept = tmp_path / track.UNSENT / "killed.jsonl"
+    # A file as a killed writer leaves it (its lines signed as a stage signs them): `a` sent and marked, `b`
+    # not, then half a line.
+    kept = tmp_path / track.UNSENT / f"{run_id}.jsonl"
     kept.parent.mkdir(parents=True)
-    lines = [{"kind": "header", "run_id": run_id, "uri": uri}]
+    root = runtime.workspace()
+    seal = track.Seal(track.journal_key(root), run_id, root)
+    lines = [{"kind": "header", "run_id": run_id, "uri": uri, "root": str(root)}]
     lines += [{"kind": "metrics", "values": {"a": 1.0}, "step": 1, "time": 1}]
-    head = "".join(json.dumps(r) + "\n" for r in lines)
+    head = b"".join(map(seal.line, lines))
     lines = [{"kind": "sent", "upto": len(head)}, {"kind": "metrics", "values": {"b": 2.0}, "step": 1, "time": 1}]
-    kept.write_text(head + "".join(json.dumps(r) + "\n" for r in lines) + '{"kind": "metr')
+    kept.write_bytes(head + b"".join(map(seal.line, lines)) + b'{"kind": "metr')
     with open(kept, "rb") as live:  # its writer still running: not a leftover
         fcntl.flock(live, fcntl.LOCK_EX)
         assert track.leftover_files(tmp_path, uri) == []
@@ -254,3 +281,49 @@ def test_kept_records_are_sent_once_from_where_their_writer_stopped(tmp_path, mo
     assert track.resend(kept) == 1 and not kept.exists()
     metrics = client.get_run(run_id).data.metrics
     assert metrics.get("b") == 2.0 and "a" not in metrics
+
+
+def test_the_end_of_a_stage_waits_the_flush_time_in_all_whatever_mlflow_is_blocked_on(tmp_path, monkeypatch):
+    """A server that never answers, and MLflow's system-metrics monitor blocked in a request: the stage's
+    end (the registry's flush, the last system metrics, the run's end) returns within
+    PIPELINE_TRACKING_FLUSH_S, not one flush time for each wait; the records stay in the unsent file."""
+    import json
+
+    from stages.common import runtime, track
+
+    hung = threading.Event()  # set when the test ends: the blocked threads return
+
+    class HungClient:
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: hung.wait()
+
+    class HungMonitor:  # MLflow's SystemMetricsMonitor, whose thread waits on the server
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def start(self):
+            pass
+
+        def finish(self):
+            hung.wait()
+
+    flush_s = 2.0
+    monkeypatch.setenv("PIPELINE_TRACKING_FLUSH_S", str(flush_s))
+    monkeypatch.setenv("PIPELINE_SYSTEM_METRICS", "on")
+    for key, value in track.HTTP_DEFAULTS.items():  # (node_metrics sets them in the environment)
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr("mlflow.system_metrics.system_metrics_monitor.SystemMetricsMonitor", HungMonitor)
+    sender = track.Sender(HungClient(), "r1", "http://127.0.0.1:9", tmp_path, {})
+    tracker = track.Tracker("r1", sender)
+    try:
+        with track.node_metrics(tracker, runtime.Runtime(0, 1, 0, 1, None)):
+            tracker.log_metrics({"loss": 1.0}, step=1)  # its request never answered
+            ending = time.monotonic()
+            assert not tracker.flush(flush_s)  # (stage.register_models)
+        assert not tracker.end("FINISHED")  # (start_run)
+        ended_s = time.monotonic() - ending
+        kept = [json.loads(line)["kind"] for line in sender.path.read_text().splitlines()]
+    finally:
+        hung.set()
+    assert ended_s <= flush_s + 0.5, f"the stage's end took {ended_s:.1f} s, with PIPELINE_TRACKING_FLUSH_S={flush_s}"
+    assert kept == ["header", "metrics", "end"]

@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import hmac
 import importlib.metadata
 import itertools
 import json
 import os
 import platform
+import secrets
 import shutil
 import subprocess
 import sys
@@ -159,6 +161,15 @@ class Tracker:
 
     def __init__(self, run_id: str | None = None, sender: Sender | None = None):
         self.run_id, self.sender = run_id, sender
+        self.end_by: float | None = None  # (time.monotonic()) when the stage's waits on the server stop
+
+    def end_left(self) -> float:
+        """Seconds left for the stage's end to wait on the server. Its waits (the registry's flush, the last
+        system metrics, the run's last records) share PIPELINE_TRACKING_FLUSH_S, counted from the first of
+        them: each returns when it is spent, whatever MLflow's own threads are blocked on."""
+        if self.end_by is None:
+            self.end_by = time.monotonic() + flush_s()
+        return max(0.0, self.end_by - time.monotonic())
 
     def __bool__(self) -> bool:
         return self.run_id is not None
@@ -193,10 +204,11 @@ class Tracker:
             self.sender.put({"kind": "text", "text": text, "name": name})
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` until every record so far has been sent; whether it was."""
+        """Wait up to `timeout_s`, and within the stage's end (end_left: this is one of its waits), until
+        every record so far has been sent; whether it was."""
         if not self.run_id:
             return True
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + min(timeout_s, self.end_left())
         while self.sender.sent < self.sender.written and self.sender.lost is None and time.monotonic() < deadline:
             self.sender.wake.set()
             time.sleep(0.05)
@@ -207,8 +219,14 @@ class Tracker:
         main thread is stuck (stages.common.watchdog); sent within PIPELINE_TRACKING_FLUSH_S or kept."""
         if self.run_id:
             self.set_tags({"failure": "hang", "failure_cause": cause[:5000]})
-            self.sender.put({"kind": "end", "status": "FAILED", "time": int(time.time() * 1000)})
-            self.sender.close(flush_s())
+            self.end("FAILED")
+
+    def end(self, status: str, **fields) -> bool:
+        """End the run with `status` (and `fields`, for its parent run); whether its last records reached
+        the server within what is left of the stage's end (end_left). Those that did not stay in the
+        unsent file, for a later send."""
+        self.sender.put({"kind": "end", "status": status, "time": int(time.time() * 1000), **fields})
+        return self.sender.close(self.end_left())
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -491,12 +509,12 @@ def node_metrics(tracker: Tracker, rt: runtime.Runtime):
         yield
         finished = True
     finally:
-        if monitor is not None:  # its last samples, sent by its thread: waited for at most the flush time
+        if monitor is not None:  # its last samples, sent by its thread: waited for within the stage's end
             import threading
 
             ending = threading.Thread(target=monitor.finish, name="mlflow-system-metrics-end", daemon=True)
             ending.start()
-            ending.join(flush_s())
+            ending.join(tracker.end_left())
         if finished and run_id and rt.distributed:
             runtime.barrier()
 
@@ -565,7 +583,7 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
         for i in range(0, len(items), 100):
             client.log_batch(run_id, params=items[i : i + 100])
     end = {"parent": parent, "label": run_name, "lock": str(lock)}
-    sender = Sender(client, run_id, uri, root / UNSENT / f"{run_id}.jsonl", {"stage": stage}, leftovers)
+    sender = Sender(client, run_id, uri, root, {"stage": stage}, leftovers)
     tracker = Tracker(run_id, sender)
     tracker.log_text(pip_freeze(), "environment/requirements.txt")
     status = "FAILED"
@@ -576,17 +594,17 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
         status = "KILLED"  # stopped by a signal (after a checkpoint, for a training stage): re-run it
         raise
     finally:
-        sender.put({"kind": "end", "status": status, "time": int(time.time() * 1000), **end})
-        sender.close(flush_s())
+        tracker.end(status, **end)
 
 
 # ------------------------------------------------------------------ sending without holding training up
 # A stage's records reach MLflow from a thread of their own, through a file on disk: training appends a
 # line and goes on, whatever the server does. A server that refuses, fails or stops answering is taken as
 # lost within seconds (one warning naming it); the records wait in the file, are sent when it answers
-# again, and at the end the stage waits at most PIPELINE_TRACKING_FLUSH_S for them before it exits
-# anyway, its outputs published. A file left unsent is sent by the next stage that reaches the server
-# (or `python -m stages.common.track resend`).
+# again, and at the end the stage waits at most PIPELINE_TRACKING_FLUSH_S in all for them and for its
+# system metrics (Tracker.end_left) before it exits anyway, its outputs published. A file left unsent is
+# sent by the next stage of the workspace that reaches the server (or `python -m stages.common.track
+# resend`), if a stage of the workspace wrote it (Seal).
 UNSENT = Path("logs") / "mlflow-unsent"
 STALL_S = 5.0  # a request unanswered this long: the server is taken as lost
 PROBE_S = 2.0  # while lost, its health is asked this often
@@ -636,10 +654,13 @@ def _refused(e: Exception) -> bool:
     return isinstance(e, MlflowException) and e.get_http_status_code() < 500
 
 
-def send_records(client, run_id: str, records: list[dict], progress: list[int] | None = None, busy=None) -> None:
+def send_records(
+    client, run_id: str, records: list[dict], progress: list[int] | None = None, busy=None, refused=None
+) -> None:
     """Send `records` (lines of an unsent file) to run `run_id` in order, metrics and tags batched;
     `progress[0]` counts the first records sent (or refused by the store: named, then passed over);
-    `busy(kind)` is told the kind of each request before it goes out."""
+    `busy(kind)` is told the kind of each request before it goes out; `refused(record)` says why a record
+    is not to be sent (printed, the record passed over), or None."""
     from mlflow.entities import Metric, RunTag
 
     metrics, tags = [], []
@@ -675,6 +696,11 @@ def send_records(client, run_id: str, records: list[dict], progress: list[int] |
             tags.extend(RunTag(k, str(v)[:8000]) for k, v in r["tags"].items())
             continue
         flush_batch(i)
+        why = refused(r) if refused else None
+        if why:
+            _say(why)
+            done(i + 1)
+            continue
         busy(kind)
         try:
             _send_one(client, run_id, r)
@@ -782,7 +808,10 @@ def _read_records(fh, start: int, end: int | None = None) -> list[tuple[dict, in
         offset += len(line)
         if line.strip():
             try:
-                found.append((json.loads(line), offset))
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError(line)
+                found.append((record, offset))
             except ValueError:
                 where = f"{getattr(fh, 'name', 'an unsent file')}, byte {offset - len(line)}"
                 _say(f"{where}: a damaged line passed over")
@@ -803,13 +832,123 @@ def _open_locked(path: Path, mode: str):
     return fh
 
 
-class Sender:
-    """The records of run `run_id` (rank 0's stage run), appended to `path` and sent by a thread."""
+# ------------------------------------------------------------------ whose records an unsent file holds
+# An unsent file is replayed by another process (the next stage that starts, `resend`), whose records may
+# upload local files. So it is replayed only when a stage of this workspace wrote it, line by line: each
+# line carries an HMAC-SHA256, keyed by the workspace's secret KEY_FILE (made by the first stage that tracks,
+# readable by its owner alone), over the run id, the workspace's root and the record; its header names
+# the run the file is named after and the root. Someone who can write into logs/ but cannot read KEY_FILE
+# cannot forge a line, move one to another run's file or another workspace, or make a file of another run;
+# they can still delete or cut a file (its records are then not sent) or put back lines a stage of this
+# workspace wrote for the same run (sent again: MLflow keeps one of two equal metric points, a model
+# version is registered once per run, an artifact is uploaded again from where it was). Whoever can read
+# KEY_FILE can sign lines; then the second check still holds: the files a replayed record uploads must
+# lie, symlinks followed, inside the workspace's OUTPUT_ROOTS.
+KEY_FILE = Path(".cache") / "tracking.key"
+# The workspace's folders whose files stages log as artifacts and register as models (dvc.yaml's outs).
+OUTPUT_ROOTS = ("data", "measured", "reports")
 
-    def __init__(self, client, run_id: str, uri: str, path: Path, header: dict, leftovers: list[Path] = ()):
+
+class JournalRefused(UserError):
+    """An unsent file that is not replayed (named, with why): none of its records are sent."""
+
+
+def journal_key(root: Path, make: bool = True) -> bytes | None:
+    """The secret of workspace `root` that signs its unsent files: made on first use (`make`), whole, by
+    the first of the stages that start at once; None when there is none and `make` is False."""
+    path = root / KEY_FILE
+    if make and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, path)  # (never replaces: a key that signed a file stays)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    try:
+        key = bytes.fromhex(path.read_text().strip())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise UserError(f"{path} is not a key a stage made; remove it (the unsent files it signed are then not sent)")
+    return key
+
+
+class Seal:
+    """Signs and checks the lines of run `run_id`'s unsent file in workspace `root`."""
+
+    def __init__(self, key: bytes, run_id: str, root: Path):
+        self.key, self.bound = key, f"{run_id}\n{root}\n".encode()
+
+    def _mac(self, body: str) -> str:
+        return hmac.new(self.key, self.bound + body.encode(), hashlib.sha256).hexdigest()
+
+    def line(self, record: dict) -> bytes:
+        """`record` as a signed line (ASCII: non-ASCII is escaped)."""
+        body = json.dumps(record, default=str, sort_keys=True)
+        return (json.dumps({**json.loads(body), "mac": self._mac(body)}) + "\n").encode()
+
+    def holds(self, record: dict) -> bool:
+        """Whether `record` (a line read back) was signed by a stage of this workspace for this run."""
+        mac = record.get("mac")
+        body = json.dumps({k: v for k, v in record.items() if k != "mac"}, sort_keys=True)
+        return isinstance(mac, str) and hmac.compare_digest(mac, self._mac(body))
+
+
+def check_journal(path: Path, lines: list[tuple[dict, int]], root: Path) -> tuple[dict, Seal]:
+    """The header and Seal of the unsent file `path` (its records: `lines`), or JournalRefused naming why:
+    it is replayed only if a stage of workspace `root` wrote it for the run it is named after."""
+
+    def refuse(why: str) -> JournalRefused:
+        return JournalRefused(f"{path} not sent: {why}; see who wrote it into {UNSENT}/, then remove it")
+
+    header = lines[0][0] if lines else {}
+    if header.get("kind") != "header" or header.get("run_id") != path.stem:
+        raise refuse(f"its header does not name run {path.stem}, the run the file is named after")
+    if header.get("root") != str(root):
+        raise refuse(f"it was written for workspace {header.get('root')}, not this one ({root})")
+    key = journal_key(root, make=False)
+    if key is None:
+        raise refuse(f"this workspace has no {KEY_FILE} to check its lines with")
+    seal = Seal(key, path.stem, root)
+    for n, (record, _) in enumerate(lines, 1):
+        if not seal.holds(record):
+            raise refuse(f"record {n} is not signed by this workspace's stages ({KEY_FILE})")
+    return header, seal
+
+
+def outside_outputs(path: Path, root: Path) -> str | None:
+    """Why `path` (a file, or a folder and all it holds) may not be uploaded from a replayed record: some
+    part of it, links followed, lies outside the workspace's OUTPUT_ROOTS; None when it may."""
+    roots = [(root / name).resolve() for name in OUTPUT_ROOTS]
+    found = [path]
+    if path.is_dir() and not path.is_symlink():
+        for folder, dirs, files in os.walk(path):  # (a linked folder inside is listed, not entered)
+            found += [Path(folder, name) for name in dirs + files]
+    for item in found:
+        real = item.resolve()
+        if not any(real.is_relative_to(r) for r in roots):
+            places = ", ".join(f"{name}/" for name in OUTPUT_ROOTS)
+            return f"{item} lies outside the workspace's outputs ({places} of {root})"
+    return None
+
+
+class Sender:
+    """The records of run `run_id` (rank 0's stage run), appended to its unsent file in workspace `root`
+    (signed: Seal) and sent by a thread."""
+
+    def __init__(self, client, run_id: str, uri: str, root: Path, header: dict, leftovers: list[Path] = ()):
         import threading
 
-        self.client, self.run_id, self.uri, self.path = client, run_id, uri, path
+        self.client, self.run_id, self.uri, self.root = client, run_id, uri, root
+        self.path = path = root / UNSENT / f"{run_id}.jsonl"
+        self.seal = Seal(journal_key(root), run_id, root)
         for attempt in range(3):  # (a stage ending beside this one removes the empty folder)
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -819,7 +958,7 @@ class Sender:
                 if attempt == 2:
                     raise
         fcntl.flock(self.file, fcntl.LOCK_EX)  # held while this process lives: its file is not a leftover
-        self.file.write((json.dumps({"kind": "header", "run_id": run_id, "uri": uri, **header}) + "\n").encode())
+        self.file.write(self.seal.line({"kind": "header", "run_id": run_id, "uri": uri, "root": str(root), **header}))
         self.file.flush()
         self.sent = self.file.tell()  # (the header is not a record to send)
         self.written = self.sent
@@ -841,7 +980,7 @@ class Sender:
             self._append(record)
 
     def _append(self, record: dict) -> None:
-        line = (json.dumps(record, default=str) + "\n").encode()  # (ASCII: non-ASCII is escaped)
+        line = self.seal.line(record)
         with self.lock:
             if self.file.closed:
                 return
@@ -872,7 +1011,12 @@ class Sender:
         with self.lock:
             end = self.written
         with open(self.path, "rb") as fh:
-            return _read_records(fh, self.sent, end)
+            found = _read_records(fh, self.sent, end)
+        for i, (record, at) in enumerate(found):
+            if not self.seal.holds(record):  # appended by another writer: never sent, passed as if it were
+                _say(f"{self.path}, the line ending at byte {at}: not written by this run; passed over")
+                found[i] = ({"kind": "sent", "upto": at}, at)
+        return found
 
     def _advance(self, pending: list[tuple[dict, int]], n: int) -> None:
         """The first `n` of `pending` are sent: noted in the file, where a later resend starts."""
@@ -908,8 +1052,12 @@ class Sender:
                 send_records(self.client, self.run_id, [r for r, _ in pending], progress, self._busy)
                 if not pending:  # (others' leftovers only when this run's own records are in)
                     while self.leftovers:
-                        with contextlib.suppress(UserError, FileNotFoundError):  # sent by another stage
-                            resend(self.leftovers.pop(0), self.client)
+                        try:
+                            resend(self.leftovers.pop(0), self.client, self.root)
+                        except JournalRefused as e:
+                            _say(str(e))
+                        except (UserError, FileNotFoundError):  # being sent, or sent, by another stage
+                            pass
             except Exception as e:  # noqa: BLE001 - kept on disk and sent again; the stage goes on
                 self._advance(pending, progress[0])
                 self._lose(_reason(e))
@@ -935,9 +1083,10 @@ class Sender:
         done = not self.thread.is_alive() and self.sent == self.written
         if not done:
             _say(
-                f"run {self.run_id}'s last records did not reach {self.uri} within {timeout_s:.0f} s "
-                f"({self.lost or 'still sending'}); they are kept in {self.path}, sent by the next stage that "
-                f"reaches the server, or by `python -m stages.common.track resend {self.path}`"
+                f"run {self.run_id}'s last records did not reach {self.uri} by the stage's end "
+                f"(PIPELINE_TRACKING_FLUSH_S={flush_s():g}; {self.lost or 'still sending'}); they are kept in "
+                f"{self.path}, sent by the next stage that reaches the server, or by `python -m "
+                f"stages.common.track resend {self.path}`"
             )
             return False
         with self.lock:
@@ -958,15 +1107,19 @@ def leftover_files(root: Path, uri: str) -> list[Path]:
                 header = json.loads(fh.readline())
         except (OSError, ValueError):
             continue  # written now by a live stage, sent meanwhile, or not a file of ours
-        if header.get("uri") == uri:
+        if isinstance(header, dict) and header.get("uri") == uri:
             found.append(path)
     return found
 
 
-def resend(path: Path, client=None) -> int:
-    """Send the records of an unsent file whose writer is gone, then remove it; the number sent."""
+def resend(path: Path, client=None, root: Path | None = None) -> int:
+    """Send the records of an unsent file whose writer is gone, then remove it; the number sent. Only a
+    file a stage of workspace `root` (default: this one) wrote for its run is sent (check_journal, else
+    JournalRefused), and its artifacts and model folders only from inside the workspace's outputs. Without
+    `client`, one of the tracking server the file names, once it answers."""
     import mlflow
 
+    root = Path(root or runtime.workspace()).resolve()
     try:
         fh = _open_locked(path, "rb+")
     except FileNotFoundError:
@@ -975,17 +1128,29 @@ def resend(path: Path, client=None) -> int:
         raise UserError(f"{path} is being written by a running stage; it sends it itself") from None
     with fh:
         lines = _read_records(fh, 0)
-        header = lines[0][0]
+        header, seal = check_journal(path, lines, root)
         sent_to = header["run_id"]
+        if client is None:
+            problem = server_problem(header["uri"])
+            if problem:
+                raise UserError(f"the tracking server of {path} does not answer ({problem}); try again once it does")
+            client = mlflow.MlflowClient(header["uri"])
         upto = max((r["upto"] for r, _ in lines if r["kind"] == "sent"), default=0)
         # Records after the last one noted as sent (one sent just before its writer died is sent twice:
         # MLflow keeps one of two equal metric points, and a model version is registered once per run);
         # the run's end last.
         pending = [(r, at) for r, at in lines[1:] if at > upto and r["kind"] not in ("header", "sent")]
         ordered = sorted(pending, key=lambda p: p[0]["kind"] == "end")
+
+        def refused(record: dict) -> str | None:
+            if record["kind"] not in ("artifact", "register"):
+                return None
+            why = outside_outputs(Path(record["path" if record["kind"] == "artifact" else "folder"]), root)
+            return why and f"{path}: a record of kind {record['kind']} not sent: {why}"
+
         progress = [0]
         try:
-            send_records(client or mlflow.MlflowClient(header["uri"]), sent_to, [r for r, _ in ordered], progress)
+            send_records(client, sent_to, [r for r, _ in ordered], progress, refused=refused)
         except BaseException:
             done = {id(r) for r, _ in ordered[: progress[0]]}
             prefix = list(itertools.takewhile(lambda p: id(p[0]) in done, pending))  # sent, in the file's order
@@ -995,7 +1160,7 @@ def resend(path: Path, client=None) -> int:
                 if lines and end > lines[-1][1]:  # a cut last line: dropped before a line is added
                     fh.truncate(lines[-1][1])
                     fh.seek(lines[-1][1])
-                fh.write((json.dumps({"kind": "sent", "upto": prefix[-1][1]}) + "\n").encode())
+                fh.write(seal.line({"kind": "sent", "upto": prefix[-1][1]}))
             raise
         path.unlink()
     _say(f"sent {len(pending)} records kept in {path} to run {sent_to}")
@@ -1018,10 +1183,7 @@ def main(argv=None) -> None:
         print("nothing to send")
     failed = []
     for path in files:
-        problem = server_problem(json.loads(path.read_bytes().split(b"\n", 1)[0])["uri"])
         try:
-            if problem:
-                raise UserError(f"the tracking server of {path} does not answer ({problem}); try again once it does")
             resend(path)
         except (UserError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
