@@ -20,7 +20,7 @@ from pipelines.commit import clear_dead_snakemake_locks, hold_pipeline_lock, pla
 from pipelines.dag import check_params, fill, is_dir, load_table, parse_yaml
 from snakemake.exceptions import WorkflowError
 from stages.common.config import ConfigError
-from pipelines.sync import align
+from pipelines.sync import align, rule_sections
 
 # One id per invocation groups this run's stages in MLflow (jobs, local or on a cluster, inherit it).
 os.environ.setdefault("PIPELINE_RUN_ID", "smk-" + uuid.uuid4().hex[:12])
@@ -91,8 +91,9 @@ for st in STAGES.values():
             # Rules made in a loop must capture per-stage values here: `shell` is evaluated at run time.
             cmd=wildcard(st.cmd()),
             dvc_stage=st.name + ("@{item}" if st.foreach else ""),
-            # Recorded by Snakemake, so changing a section re-runs the stage (rerun trigger "params").
-            sections=json.dumps({s: PARAMS.get(s) for s in st.params}, sort_keys=True),
+            # Recorded by Snakemake, so changing a section re-runs the stage (rerun trigger "params"); records
+            # of another run's sections on outputs DVC holds as current are forgotten (pipelines/sync.py).
+            sections=rule_sections(st, PARAMS),
         log:
             "logs/" + st.name + ("-{item}" if st.foreach else "") + ".log",
         threads: st.resources["nproc_per_node"]

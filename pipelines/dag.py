@@ -407,7 +407,8 @@ def main(argv=None) -> int:
         for p in problems:
             print(p, file=sys.stderr)
         if not problems:
-            print("dvc.yaml, the Snakefile and pipelines/stages.yaml agree")
+            # (on the stages themselves; whether both find the same outputs current: python -m pipelines.sync)
+            print("dvc.yaml, the Snakefile and pipelines/stages.yaml define the same stages")
         return 1 if problems else 0
     print(__doc__, file=sys.stderr)
     return 2

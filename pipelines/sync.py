@@ -21,19 +21,28 @@ A Snakemake killed while a job ran leaves that job's outputs marked incomplete; 
 finished and committed (killed between its end and Snakemake's bookkeeping) would be re-made for that
 mark alone. `align()` also forgets the marks on outputs DVC records as current.
 
-    python -m pipelines.sync          # the same, by hand
+Snakemake's records of an output (.snakemake/metadata) hold the params, command and inputs of the run
+that made it. After a run with other params, `git checkout params.yaml dvc.lock && dvc checkout` puts
+back the outputs dvc.lock holds, and DVC finds them current, but their records still describe the other
+run: Snakemake would re-run them for their params. `align()` forgets the records of outputs DVC records as
+current that disagree with what their rule declares now (records_of_other_runs).
+
+    python -m pipelines.sync          # the same, by hand; then Snakemake's plan (snakemake -n) is
+                                      # compared with DVC's (dvc_plan): exit 1 where they differ
 """
 
 from __future__ import annotations
 
+import ast
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from pipelines.dag import fill, load_table
+from pipelines.dag import Stage, fill, load_table, parse_yaml
 
 
 def snakemake_mtime(path: Path) -> float:
@@ -77,6 +86,17 @@ def is_stale(items: list) -> bool:
     return False
 
 
+def reruns(items: list) -> bool:
+    """Whether `dvc repro` re-runs a stage for these status entries: for any but outputs only missing from
+    the cache (`dvc gc`), which it leaves as they are."""
+    for item in items:
+        if not isinstance(item, dict) or set(item) != {"changed outs"}:
+            return True
+        if any(v != "not in cache" for v in item["changed outs"].values()):
+            return True
+    return False
+
+
 def modified_outputs(status: dict, root: Path = Path(".")) -> list[str]:
     """The outputs, as the Snakefile names them, of every stage whose outputs DVC finds modified."""
     table = load_table(root / "pipelines/stages.yaml")
@@ -98,19 +118,63 @@ def forget_records(paths: list[str], snakefile: str | Path = "Snakefile", root: 
     subprocess.run([*cmd, *paths], cwd=root, env=env, capture_output=True, text=True)
 
 
-def marked_incomplete(root: Path = Path(".")) -> set[str]:
-    """The outputs Snakemake marked incomplete when their job started and never unmarked: its main process
-    died before the job ended (Snakemake 9 keeps one file per output under .snakemake/incomplete, named by
-    the output path in URL-safe base64, split into parts of which all but the last start with "@")."""
-    base = root / ".snakemake" / "incomplete"
-    found = set()
-    for marker in base.rglob("*") if base.is_dir() else []:
-        if marker.is_file() and marker.name != "migration_underway":
-            parts = marker.relative_to(base).parts
+def per_output_files(base: Path) -> dict[str, Path]:
+    """Output path -> its file under one of Snakemake's per-output folders (.snakemake/incomplete,
+    .snakemake/metadata): Snakemake 9 names each by the output path in URL-safe base64, split into parts
+    of which all but the last start with "@"."""
+    found = {}
+    for file in base.rglob("*") if base.is_dir() else []:
+        if file.is_file() and file.name != "migration_underway":
+            parts = file.relative_to(base).parts
             try:
-                found.add(base64.urlsafe_b64decode("".join(p.removeprefix("@") for p in parts)).decode())
+                found[base64.urlsafe_b64decode("".join(p.removeprefix("@") for p in parts)).decode()] = file
             except (ValueError, UnicodeDecodeError):
                 continue
+    return found
+
+
+def marked_incomplete(root: Path = Path(".")) -> set[str]:
+    """The outputs Snakemake marked incomplete when their job started and never unmarked: its main process
+    died before the job ended."""
+    return set(per_output_files(root / ".snakemake" / "incomplete"))
+
+
+def rule_sections(st: Stage, params: dict) -> str:
+    """The params sections of a stage as its Snakemake rule declares them (params `sections`), so Snakemake
+    records them and a change re-runs the stage."""
+    return json.dumps({s: params.get(s) for s in st.params}, sort_keys=True)
+
+
+def declared(st: Stage, name: str, item: str | None, params: dict) -> tuple[set[str], list[str]]:
+    """What Snakemake records of a stage instance's run that can differ from one run to the next: the
+    rule's params (the command, the DVC stage name, the params sections; the Snakefile) and its inputs."""
+    return {fill(st.cmd(), item), name, rule_sections(st, params)}, sorted(fill(d, item) for d in st.deps)
+
+
+def records_of_other_runs(status: dict, root: Path = Path(".")) -> list[str]:
+    """Outputs of stages DVC records as current whose Snakemake records describe another run: other params
+    sections, another command or other inputs than the rule declares now (a run with other params, then
+    `dvc checkout` of what dvc.lock holds). Snakemake would re-run them for their params or inputs, which
+    DVC has just compared with dvc.lock and found current."""
+    records = per_output_files(root / ".snakemake" / "metadata")
+    if not records or not (root / "params.yaml").is_file():
+        return []
+    params = parse_yaml((root / "params.yaml").read_text()) or {}
+    found = []
+    for st in load_table(root / "pipelines/stages.yaml").values():
+        for name, item in st.instances():
+            if reruns(status.get(name, [])):
+                continue
+            want_params, want_input = declared(st, name, item, params)
+            for out in (fill(o, item) for o in st.outputs()):
+                if out in records and (root / out).exists():
+                    try:
+                        record = json.loads(records[out].read_text())
+                        params_now = {ast.literal_eval(p) for p in record.get("params") or []}
+                    except (OSError, ValueError, SyntaxError):
+                        params_now = None  # unreadable: Snakemake could not use it either
+                    if params_now != want_params or record.get("input") != want_input:
+                        found.append(out)
     return found
 
 
@@ -132,14 +196,19 @@ def finished_unrecorded(status: dict, root: Path = Path(".")) -> list[str]:
     ]
 
 
-def align(root: Path = Path("."), snakefile: str | Path = "Snakefile") -> tuple[list[str], list[str]]:
+def align(
+    root: Path = Path("."), snakefile: str | Path = "Snakefile", status: dict | None = None
+) -> tuple[list[str], list[str]]:
     """align_mtimes, and Snakemake's records of the outputs DVC finds modified forgotten (forget_records),
-    as are its incomplete marks on outputs DVC records as current (finished_unrecorded): returns (outputs
-    whose times were set, outputs whose records were forgotten)."""
-    status = dvc_status(root)
+    as are its incomplete marks on outputs DVC records as current (finished_unrecorded) and its records of
+    other runs on them (records_of_other_runs): returns (outputs whose times were set, outputs whose
+    records were forgotten). status: `dvc status` as dvc_status reads it, asked here when not given."""
+    status = dvc_status(root) if status is None else status
     if status is None:
         return [], []
-    bumped, forget = align_mtimes(root, status), modified_outputs(status, root) + finished_unrecorded(status, root)
+    forget = modified_outputs(status, root) + finished_unrecorded(status, root)
+    forget += [out for out in records_of_other_runs(status, root) if out not in forget]
+    bumped = align_mtimes(root, status)
     if forget:
         forget_records(forget, snakefile, root)
     return bumped, forget
@@ -184,8 +253,57 @@ def align_mtimes(root: Path = Path("."), status: dict | None = None) -> list[str
     return bumped
 
 
+def snakemake_plan(root: Path = Path("."), snakefile: str | Path = "Snakefile") -> set[str]:
+    """The rules `snakemake -n` would run, as it plans them now (not aligned again: PIPELINE_NO_SYNC)."""
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(snakefile), "--cores", "1", "-n"]
+    env = {**os.environ, "PIPELINE_NO_SYNC": "1"}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`snakemake -n` failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return set(re.findall(r"^\s*(?:local)?rule (\w+):", proc.stdout + proc.stderr, re.M)) - {"all"}
+
+
+def dvc_plan(status: dict, root: Path = Path(".")) -> set[str]:
+    """The stages (by rule name) `dvc repro` would run: those it re-runs for their `dvc status` entries,
+    and every stage that reads what one of them writes, downstream."""
+    instances = [
+        (st.name, [fill(d, item) for d in st.deps], [fill(o, item) for o in st.outputs()], reruns(status.get(name, [])))
+        for st in load_table(root / "pipelines/stages.yaml").values()
+        for name, item in st.instances()
+    ]
+    planned = {i for i, (_, _, _, rerun) in enumerate(instances) if rerun}
+    while True:
+        written = [out for i in planned for out in instances[i][2]]
+        follow = {
+            i
+            for i, (_, deps, _, _) in enumerate(instances)
+            if i not in planned and any(d == o or d.startswith(o + "/") for d in deps for o in written)
+        }
+        if not follow:
+            return {instances[i][0] for i in planned}
+        planned |= follow
+
+
+def plans_differ(status: dict, root: Path = Path("."), snakefile: str | Path = "Snakefile") -> str:
+    """Where Snakemake's plan (`snakemake -n`, not aligned again) and DVC's (dvc_plan) differ, in words; ""
+    when both would run the same stages."""
+    snakemake, dvc = snakemake_plan(root, snakefile), dvc_plan(status, root)
+    if snakemake == dvc:
+        return ""
+    return f"snakemake -n would run {sorted(snakemake) or 'nothing'}, dvc repro {sorted(dvc) or 'nothing'}"
+
+
 if __name__ == "__main__":
-    done, forced = align()
-    print("aligned: " + (", ".join(done) if done else "nothing to do"))
+    status = dvc_status(Path("."))
+    if status is None:
+        raise SystemExit(
+            "not aligned: `dvc status` failed (a running `dvc repro` holds DVC's lock?); run it to see why"
+        )
+    done, forced = align(status=status)
+    differ = plans_differ(status)
+    print(("aligned: " if not differ else "times set: ") + (", ".join(done) if done else "nothing to do"))
     if forced:
-        print("modified since dvc.lock (re-made by the next run): " + ", ".join(forced))
+        print("Snakemake's records forgotten (outputs modified since dvc.lock are re-made): " + ", ".join(forced))
+    if differ:
+        print(f"not aligned: {differ}", file=sys.stderr)
+        raise SystemExit(1)

@@ -2,8 +2,9 @@
 may do to it next: the model registry it filled (lineage from dvc.lock, the alias `reproduced` by the
 report's rows, models read back by alias); a dvc.lock emptied by a kill during a commit, restored;
 the environment's snakemake started by its path; an invocation whose stage fails before it opens its
-MLflow run, recorded FAILED under either tool; an edit to a module the training stages import, and an
-output changed in place, seen alike by both tools; `pipelines.verify` on the run, and on each link
+MLflow run, recorded FAILED under either tool; outputs checked out after a run with other params,
+current for both tools; an edit to a module the training stages import, and an output changed in
+place, seen alike by both tools; `pipelines.verify` on the run, and on each link
 broken once. tests/test_e2e.py checks that both tools agree on
 what is current."""
 
@@ -178,6 +179,27 @@ def test_an_edit_to_an_imported_module_reruns_what_imports_it_and_what_follows(c
     assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
 
 
+def test_outputs_checked_out_after_a_run_with_other_params_are_current_for_both_tools(tmp_path, mirror):
+    """context_study run by Snakemake with another unscaled_growth, then `git checkout params.yaml dvc.lock
+    && dvc checkout`: DVC finds every stage current, while Snakemake's records of data/context_study still
+    hold the other params, for which it would re-run it and the report (pipelines.sync's comparison of the
+    two plans names that). The Snakefile forgets those records when it loads: then neither tool plans
+    anything, and `python -m pipelines.sync` finds them aligned."""
+    clone = copy_of_run(tmp_path / "clone")
+    sh("git add dvc.lock params.yaml measured && git -c user.name=ci -c user.email=ci@localhost commit -qm run", clone)
+    set_growth(clone, 1.3)
+    assert snakemake_ran(sh("snakemake --cores 2 data/context_study", clone)) == {"context_study"}
+    sh("git checkout params.yaml dvc.lock && dvc checkout", clone)
+    assert UP_TO_DATE in sh("dvc status", clone)
+    compare = "from pathlib import Path; from pipelines import sync; print(sync.plans_differ(sync.dvc_status(Path())))"
+    differ = sh(f'python -c "{compare}"', clone)
+    assert "snakemake -n would run ['context_study', 'report'], dvc repro nothing" in differ
+
+    assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
+    assert UP_TO_DATE in sh("dvc status", clone)
+    assert sh("python -m pipelines.sync", clone).startswith("aligned: nothing to do")
+
+
 def test_an_output_changed_in_place_is_remade_by_both_tools(clone):
     """An output edited by hand: DVC flags its stage, and Snakemake re-makes it and what follows, for a
     stage that reads only code (prepare_data; a plan: its re-run is the whole pipeline) and for one that
@@ -257,7 +279,7 @@ def test_verify_holds_after_a_run_and_names_each_broken_link(clone):
         client.set_model_version_tag("pretrain", version.version, "output_dvc_md5", recorded)
     assert re.search(rf"^BROKEN +report +row '{re.escape(row)}' shows", out, re.M), out
     assert re.search(r"^BROKEN +outs +data/train_gnn is modified against dvc.lock", out, re.M), out
-    assert re.search(r"^BROKEN +outs +data/pretrain is modified .*mend: dvc checkout data/pretrain", out, re.M), out
+    assert re.search(r"^BROKEN +outs +data/pretrain is modified .*mend: dvc checkout --force data/pretrain", out, re.M)
     assert re.search(r"^BROKEN +outs +data/tokenize is [\w ]+ against dvc.lock", out, re.M), out  # (not in cache)
     assert re.search(r"^BROKEN +registry +models:/pretrain \(data/pretrain, stage pretrain\): no version", out, re.M)
 
