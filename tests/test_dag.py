@@ -255,6 +255,20 @@ def test_only_what_dvc_would_rerun_is_made_stale_for_snakemake():
     assert not is_stale([{"changed deps": {"stages/pretrain.py": "new"}}]), "no dvc.lock entry to compare with"
 
 
+def test_dvcs_plan_is_the_stages_it_reruns_and_everything_downstream():
+    """pipelines.sync compares `snakemake -n` with this plan: a stage DVC re-runs, and every stage reading what
+    it writes, by rule name; outputs missing only from the cache re-run nothing."""
+    from pipelines.sync import dvc_plan
+
+    params = [{"changed deps": {"params.yaml": {"context_study": "modified"}}}]
+    assert dvc_plan({"context_study": params}, ROOT) == {"context_study", "report"}
+    after_pretrain = {"pretrain", "extend_context", "finetune_qlora", "eval_perplexity", "eval_harness"}
+    assert dvc_plan({"pretrain": ["changed command"]}, ROOT) == after_pretrain | {"context_study", "report"}
+    assert dvc_plan({"train_gnn": [{"changed outs": {"data/train_gnn": "deleted"}}]}, ROOT) == {"train_gnn", "report"}
+    assert dvc_plan({"train_gnn": [{"changed outs": {"data/train_gnn": "not in cache"}}]}, ROOT) == set()
+    assert dvc_plan({}, ROOT) == set()
+
+
 def test_the_incomplete_marks_of_a_dead_snakemake_are_read_as_snakemake_writes_them(tmp_path):
     """pipelines.sync reads the outputs Snakemake marked incomplete from Snakemake's own file layout: its
     record paths (written here by Snakemake's code, with names cut short so long paths are split), and
