@@ -14,18 +14,22 @@ The links, from what a reader sees back to what made it:
             `dvc checkout` trust the cache), passes it; --rehash hashes every out's bytes instead
             and names each file that differs from the listing dvc.lock's md5 stands for
   causes    each stage's code, params and packages (its deps in dvc.lock) are those of this checkout
-  registry  each registered model has a version registered from its stage's out as dvc.lock records
-            it (output_dvc_md5), from these params (params_sha256) and this code (code_sha256); the
-            version under the alias `reproduced` is one of those
+  registry  each model an out of dvc.lock publishes (a `model/` folder: `published`) has a version
+            registered from that out as dvc.lock records it (output_dvc_md5), from these params
+            (params_sha256) and this code (code_sha256); the version under the alias `reproduced` is
+            one of those, and the models whose report rows all pass have it. Versions registered from
+            other outs (an experiment's) are passed over
   checkpoints  each checkpoint left in checkpoints/ matches its manifest, and was written by this code
   environment  the packages installed here are the versions of the package files dvc.lock's stages
             depend on (pipelines/packages/<family>.txt); a difference is a note naming them, as the stages
             themselves refuse to run on other versions (stages.common.environment)
-One line per link: `ok`, or `BROKEN` with what is broken, where, and the command that mends it; the
-exit code is 1 when a link is broken. `--against` prints per out `identical` (the same md5), `within
-the recorded tolerance` (it differs, and every reproduced result in it, a results.json row, is within
-its tolerance of the other run's), or `differs`; and `measured` for the files under measured/ (timings
-and memory, which differ from run to run by nature: not compared).
+One line per link: `ok`, or `BROKEN` with what is broken, where, and the command that mends it (run as
+printed up to its first " (", which opens what it does or an alternative); the exit code is 1 when a link
+is broken. tests/test_e2e_verify.py breaks each link and runs the mend printed for it. `--against`
+prints per out `identical` (the same md5), `within the recorded tolerance` (it differs, and every
+reproduced result in it, a results.json row, is within its tolerance of the other run's), or `differs`;
+and `measured` for the files under measured/ (timings and memory, which differ from run to run by
+nature: not compared).
 """
 
 from __future__ import annotations
@@ -39,6 +43,14 @@ import yaml
 
 from pipelines.dag import MEASURED_DIR, fill, load_table, parse_yaml
 from pipelines.sync import dvc_status
+
+# A report row, or its figures, differs from the out it was read from: both outs restored as dvc.lock records
+# them. `dvc repro report` would not do: an edit that keeps the file's size and time passes `dvc status`,
+# so DVC finds nothing changed; --relink rewrites the files from DVC's cache whatever its records say.
+RESTORE_REPORT = "dvc checkout --relink"
+AS_RECORDED = "both as dvc.lock records them; or dvc repro -f -s report reads the figures again"
+# The measured files are not in DVC's cache: the report, forced to run, reads them again.
+REREAD_MEASURED = "dvc repro -f -s report"
 
 
 class Report:
@@ -75,17 +87,18 @@ def lock_outs(lock: dict) -> dict[str, tuple[str, str]]:
 def check_report(root: Path, r: Report) -> None:
     doc = read_json(root / "reports/results.json")
     if doc is None:
-        r.bad("report", "reports/results.json is missing or unreadable", "dvc repro report (or snakemake report)")
+        r.bad("report", "reports/results.json is missing or unreadable", f"{RESTORE_REPORT} reports ({AS_RECORDED})")
         return
-    mend = "dvc repro report (or snakemake report) re-reads the stages' figures"
     for label, shown in doc.get("stage_metrics", {}).items():
         folder = root / "data" / label
         source = read_json(folder / "figures.json") or read_json(folder / "metrics.json")
         if source != shown:
-            r.bad("report", f"the figures of {label} in reports/results.json differ from data/{label}'s", mend)
+            what = f"the figures of {label} in reports/results.json differ from data/{label}'s"
+            r.bad("report", what, f"{RESTORE_REPORT} reports data/{label} ({AS_RECORDED})")
     rows = len(doc.get("rows", ()))
     for row in doc.get("rows", ()):
         source_name = f"data/{row['stage']}/results.json"
+        mend = f"{RESTORE_REPORT} reports data/{row['stage']} ({AS_RECORDED})"
         check_row(row, read_json(root / source_name) or [], "", source_name, mend, r)
     for row in (doc.get("regression") or {}).get("rows", ()):
         rows += 1
@@ -97,7 +110,7 @@ def check_report(root: Path, r: Report) -> None:
             r.bad(
                 "report",
                 f"row '{row['result']}' shows {row['ours']}, data/{row['stage']}/figures.json has {values.get(ctx)}",
-                mend,
+                f"{RESTORE_REPORT} reports data/{row['stage']} ({AS_RECORDED})",
             )
     if doc.get("measured"):
         rows += check_measured_rows(root, doc["measured"], r)
@@ -108,10 +121,10 @@ def check_report(root: Path, r: Report) -> None:
 def check_measured_rows(root: Path, name: str, r: Report) -> int:
     """The rows of the report's measured file (measured/report.json) against the stages' measured files."""
     doc = read_json(root / name)
+    mend = f"{REREAD_MEASURED} (the report reads the measured files again)"
     if doc is None:
-        r.bad("report", f"{name} is missing or unreadable", "dvc repro report (or snakemake report)")
+        r.bad("report", f"{name} is missing or unreadable", mend)
         return 0
-    mend = "dvc repro report (or snakemake report) re-reads the measured files"
     for row in doc.get("rows", ()):
         source_name = f"{MEASURED_DIR}/{row['stage']}.json"
         source = (read_json(root / source_name) or {}).get("rows", ())
@@ -131,7 +144,8 @@ def check_status(root: Path, lock: dict, r: Report) -> None:
     """The outs and the causes, from `dvc status` (DVC's own comparison of the workspace with dvc.lock)."""
     status = dvc_status(root)
     if status is None:
-        r.bad("outs", "dvc status failed (no repository, a damaged dvc.lock, or a run holds DVC's lock)", "dvc status")
+        error, mend = status_failure(root)
+        r.bad("outs", f"dvc status fails: {error}", mend)
         return
     for path, (stage, md5) in sorted(lock_outs(lock).items()):
         changed = {}
@@ -140,12 +154,13 @@ def check_status(root: Path, lock: dict, r: Report) -> None:
                 changed |= item.get("changed outs") or {}
         if path in changed:
             # (what a stage measured is not in DVC's cache but committed to git beside dvc.lock)
-            restore = "git checkout" if path.startswith(f"{MEASURED_DIR}/") else "dvc checkout"
+            # (--force: DVC does not replace a changed file without it)
+            restore = "git checkout" if path.startswith(f"{MEASURED_DIR}/") else "dvc checkout --force"
             again = "measures" if path.startswith(f"{MEASURED_DIR}/") else "makes"
             r.bad(
                 "outs",
                 f"{path} is {changed[path]} against dvc.lock (md5 {md5})",
-                f"{restore} {path} restores the recorded out; dvc repro {stage} {again} it again",
+                f"{restore} {path} (restores the recorded out; or dvc repro {stage} {again} it again)",
             )
         else:
             r.ok("outs", f"{path} {md5}")
@@ -165,6 +180,23 @@ def check_status(root: Path, lock: dict, r: Report) -> None:
             )
         else:
             r.ok("causes", f"stage {stage}: code, params, packages and inputs as in dvc.lock")
+
+
+def status_failure(root: Path) -> tuple[str, str]:
+    """Why `dvc status` fails in `root` (the first line of its error), and the mend for that cause."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, capture_output=True, text=True)
+    lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+    error = lines[0].removeprefix("ERROR: ") if lines else f"exit code {proc.returncode}"
+    if "dvc.yaml" in error:
+        return error, "python -m pipelines.dag write (dvc.yaml written again from pipelines/stages.yaml)"
+    if "dvc.lock" in error:
+        return error, "git checkout dvc.lock (its committed record)"
+    if "lock" in error.lower():
+        return error, "dvc status (again, once the DVC command that holds its lock has ended)"
+    return error, "dvc status (its error names what to mend)"
 
 
 def current_section(stage: str, root: Path) -> dict:
@@ -257,36 +289,80 @@ def file_md5(path: Path) -> str | None:
         return None
 
 
+def published(stage: str, out: Path) -> list[str]:
+    """The registered names of the models a stage instance (`<stage>` or `<stage>@<item>`, as dvc.lock names
+    it) published in its out: a Hugging Face folder `model/` is the stage's model (`pretrain`,
+    `finetune_qlora-nf4`), each `model/<variant>/` one per variant (`extend_context-yarn`), as each stage
+    registers them (stages.common.stage.register_models, named by registry.model_name)."""
+    from stages.common import registry
+
+    section, _, item = stage.partition("@")
+    folder = out / "model"
+    if (folder / "config.json").is_file():
+        return [registry.model_name(section, item or None)]
+    return sorted(registry.model_name(section, p.parent.name) for p in folder.glob("*/config.json"))
+
+
+def published_models(root: Path, lock: dict) -> dict[str, tuple[str, str, str]]:
+    """{registered name: (out path, DVC stage, the md5 dvc.lock records)} of each model an out of dvc.lock
+    publishes: the versions the registry must hold."""
+    found = {}
+    for path, (stage, md5) in sorted(lock_outs(lock).items()):
+        if not path.startswith(f"{MEASURED_DIR}/"):
+            found |= {name: (path, stage, md5) for name in published(stage, root / path)}
+    return found
+
+
+def reproduced_models(root: Path) -> set[str]:
+    """The registered models whose rows in reports/results.json all pass: the report gives each the alias
+    `reproduced` (stages.report.mark_reproduced)."""
+    from stages import report
+
+    doc = read_json(root / "reports/results.json")
+    try:
+        subjects = report.row_subjects(doc)
+    except (KeyError, TypeError, ValueError):  # (the report link names an unreadable report)
+        return set()
+    return {name for name, (_, passes) in subjects.items() if passes and all(p is True for p in passes)}
+
+
 def check_registry(root: Path, lock: dict, r: Report) -> None:
+    """Each model the outs publish has a version registered from its out as dvc.lock records it, from these
+    params and this code; the ones the report passed carry the alias on such a version. Versions registered
+    from elsewhere (an experiment, another folder) are passed over: they neither stand for nor hide ours."""
     import mlflow
 
     from stages.common import ckpt, registry, track
 
+    expected = published_models(root, lock)
     uri = track.tracking_uri(root)
     if uri.startswith("sqlite:") and not (root / "mlflow.db").is_file():
-        r.note("registry", f"no MLflow store at {uri}: no registered models to check")
+        r.note("registry", f"no MLflow store at {uri} (PIPELINE_TRACKING=off?): {len(expected)} published model(s) "
+               "not checked")  # fmt: skip
         return
     client = mlflow.MlflowClient(uri)
-    outs = lock_outs(lock)
-    models = sorted(client.search_registered_models(max_results=1000), key=lambda m: m.name)
-    for model in models:
-        versions = client.search_model_versions(f"name = '{model.name}'")
-        output = next((v.tags.get("output") for v in versions if v.tags.get("output")), None)
-        if output not in outs:
-            r.note("registry", f"models:/{model.name}: registered from {output}, not an out of this dvc.lock")
-            continue
-        stage, md5 = outs[output]
+    models = {m.name: m for m in client.search_registered_models(max_results=1000)}
+    aliased = reproduced_models(root)
+    for name, (output, stage, md5) in sorted(expected.items()):
+        where = f"models:/{name} ({output}, stage {stage})"
+        rerun = f"dvc repro -f -s {stage}" + (" && dvc repro -f -s report" if name in aliased else "")
+        rerun += " (the stage registers a version from the out it makes again" + (
+            ", the report sets the alias)" if name in aliased else ")"
+        )
+        versions = client.search_model_versions(f"name = '{name}'") if name in models else []
         ours = [v for v in versions if v.tags.get("output_dvc_md5") == md5]
-        where = f"models:/{model.name} ({output}, stage {stage})"
-        mend = f"dvc repro {stage} --force (or snakemake --forcerun {stage.split('@')[0]}) registers a new version"
         if not ours:
-            newest = max(versions, key=lambda v: int(v.version))
-            r.bad(
-                "registry",
-                f"{where}: no version registered from the out dvc.lock records (md5 {md5}); "
-                f"the newest, v{newest.version}, says {newest.tags.get('output_dvc_md5')}",
-                mend,
-            )
+            if name not in models:
+                what = "not in the registry (its registered model was deleted, or never registered)"
+            elif not versions:
+                what = "has no versions (each was deleted)"
+            else:
+                newest = max(versions, key=lambda v: int(v.version))
+                what = (
+                    f"no version registered from the out dvc.lock records (md5 {md5}); "
+                    f"the newest, v{newest.version}, says {newest.tags.get('output_dvc_md5')}"
+                )
+            r.bad("registry", f"{where}: {what}", rerun)
             continue
         version = max(ours, key=lambda v: int(v.version))
         try:
@@ -294,7 +370,8 @@ def check_registry(root: Path, lock: dict, r: Report) -> None:
         except Exception as e:  # noqa: BLE001 - the stage's code as it is now: anything may break its import
             module = f"stages.{stage.split('@')[0]}"
             problem = f"{module} does not import now ({type(e).__name__}: {e}), so its params cannot be read"
-            r.bad("registry", f"{where} v{version.version}: {problem}", f"fix it (python -c 'import {module}')")
+            fix = f"fix the code it imports (python -c 'import {module}' shows where it fails)"
+            r.bad("registry", f"{where} v{version.version}: {problem}", fix)
             continue
         code = ckpt.writer_record(f"stages.{stage.split('@')[0]}")["code_sha256"]
         problems = []
@@ -302,13 +379,18 @@ def check_registry(root: Path, lock: dict, r: Report) -> None:
             problems.append(f"params_sha256 {version.tags.get('params_sha256', '')[:12]} is not this params.yaml's")
         if version.tags.get("code_sha256") != code:
             problems.append(f"code_sha256 {version.tags.get('code_sha256', 'unrecorded')[:12]} is not this code's")
-        alias = model.aliases.get(registry.ALIAS) if isinstance(model.aliases, dict) else None
+        mend = rerun if problems else "dvc repro -f -s report (the report sets the alias on a version of this out)"
+        alias = models[name].aliases.get(registry.ALIAS) if isinstance(models[name].aliases, dict) else None
         if alias is not None and str(alias) not in {str(v.version) for v in ours}:
             problems.append(f"alias {registry.ALIAS} names v{alias}, not a version of this out")
+        elif alias is None and name in aliased:
+            problems.append(f"no version has the alias {registry.ALIAS}, which the report's passing rows give it")
         if problems:
             r.bad("registry", f"{where} v{version.version}: {'; '.join(problems)}", mend)
         else:
             r.ok("registry", f"{where} v{version.version}: out, params and code as recorded")
+    for name in sorted(set(models) - set(expected)):
+        r.note("registry", f"models:/{name}: no out of this dvc.lock publishes it (an experiment's, or another run's)")
 
 
 def check_checkpoints(root: Path, r: Report) -> None:
@@ -419,7 +501,8 @@ def main(argv=None) -> int:
         lock = parse_yaml((root / "dvc.lock").read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
         print(
-            f"BROKEN  outs        {root / 'dvc.lock'} is unreadable ({e}); mend: git checkout dvc.lock, then dvc status"
+            f"BROKEN  outs        {root / 'dvc.lock'} is unreadable ({' '.join(str(e).split())}); "
+            "mend: git checkout dvc.lock (its committed record)"
         )
         return 1
     r = Report()
