@@ -408,6 +408,9 @@ def check_checkpoints(root: Path, r: Report) -> None:
         if change:
             r.note("checkpoints", f"{path.relative_to(root)}: written by other code ({change}); a re-run refuses it "
                    f"unless PIPELINE_RESUME=fresh or across-code")  # fmt: skip
+        elif across := ckpt.read_writer(path).get(ckpt.ACROSS_CODE):
+            r.note("checkpoints", f"{path.relative_to(root)}: intact, written by this code in a run that resumed "
+                   f"across a change ({across}); a run resuming it is tagged so")  # fmt: skip
         else:
             r.ok("checkpoints", f"{path.relative_to(root)}: intact, written by this code")
     if not steps:

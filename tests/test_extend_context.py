@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import run_stage
+from conftest import craft_checkpoint_item, run_stage
 
 from stages import extend_context
 from stages.common import config, shards
@@ -186,7 +186,8 @@ def test_two_processes_write_every_variant_and_resume_exactly(tokenized, base_mo
         nproc=2,
         PIPELINE_CHECKPOINTS=str(tmp_path / "ckpt_a"),
     )
-    # Killed while writing the checkpoint after step 3, then re-run: resumes from step 2 and ends identical.
+    # Killed while writing the checkpoint after step 3, then re-run: resumes from step 1 (step 2's is made
+    # unloadable below) and ends identical.
     killed = run_stage(
         "extend_context",
         [*stage_args(tokenized, base_model, tmp_path / "b"), *common],
@@ -197,6 +198,9 @@ def test_two_processes_write_every_variant_and_resume_exactly(tokenized, base_mo
         PIPELINE_FAULT_IN_CHECKPOINT="3",
     )
     assert killed.returncode != 0 and not (tmp_path / "b").exists()
+    # step 2's checkpoint holds a DCP item crafted to run code (manifest rewritten): passed over, never loaded
+    (newest,) = (tmp_path / "ckpt_b").glob("extend_context/*/step-2")
+    item = craft_checkpoint_item(newest, tmp_path / "code-ran")
     resumed = run_stage(
         "extend_context",
         [*stage_args(tokenized, base_model, tmp_path / "b"), *common],
@@ -204,7 +208,9 @@ def test_two_processes_write_every_variant_and_resume_exactly(tokenized, base_mo
         nproc=2,
         PIPELINE_CHECKPOINTS=str(tmp_path / "ckpt_b"),
     )
-    assert "(step 2)" in resumed.stdout and "resuming from" in resumed.stdout
+    assert f"not resuming from checkpoint {newest}: item {item}" in resumed.stdout, resumed.stdout
+    assert "(step 1)" in resumed.stdout and "resuming from" in resumed.stdout
+    assert not (tmp_path / "code-ran").exists(), "loading a checkpoint ran code"
     assert not list((tmp_path / "ckpt_b").rglob("step-*"))  # spent checkpoints are removed once published
 
     meta = json.loads((tmp_path / "a/meta.json").read_text())

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY_MODEL, loss_curve, run_stage
+from conftest import ROOT, TINY_MODEL, craft_checkpoint_item, loss_curve, run_stage
 
 from stages import finetune_qlora as ft
 from stages import pretrain
@@ -170,15 +170,21 @@ def test_fsdp_trains_like_one_process_and_resumes_exactly_after_sigkill(base):
     with torch.no_grad():
         reloaded = PeftModel.from_pretrained(load_base(base), base / "whole/adapter").eval()
         assert eval_loss(reloaded, base) == pytest.approx(metrics["eval_loss"], rel=1e-5)
-    # SIGKILL while writing the step-3 checkpoint: step-2 is complete; the re-run resumes from it.
+    # SIGKILL while writing the step-3 checkpoint: steps 1 and 2 are complete; step 2's is made unloadable
+    # below, and the re-run resumes from step 1.
     proc = finetune(
         base, "resumed", 2, "train.checkpoint_every=1", check=False, PIPELINE_FAULT_IN_CHECKPOINT="3", **env
     )
     assert proc.returncode != 0
     kept = sorted(p.name for p in ckpt_root.glob("finetune_qlora/*/*"))
-    assert "step-2" in kept and "step-3" not in kept, kept
+    assert "step-1" in kept and "step-2" in kept and "step-3" not in kept, kept
+    # step 2's checkpoint holds a DCP item crafted to run code (manifest rewritten): passed over, never loaded
+    (newest,) = ckpt_root.glob("finetune_qlora/*/step-2")
+    item = craft_checkpoint_item(newest, base / "code-ran")
     proc = finetune(base, "resumed", 2, "train.checkpoint_every=1", **env)
-    assert "resuming from" in proc.stdout + proc.stderr and "step 2" in proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    assert f"not resuming from checkpoint {newest}: item {item}" in log, log
+    assert "resuming from" in log and "(step 1)" in log and not (base / "code-ran").exists(), log
     np.testing.assert_array_equal(loss_curve(base, "resumed"), loss_curve(base, "whole"))
     from safetensors.torch import load_file
 

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_MODEL, RunsCode, loss_curve, run_stage
+from conftest import TINY_MODEL, RunsCode, craft_checkpoint_item, loss_curve, run_stage
 
 from stages import pretrain
 from stages.common import ckpt, config, provenance
@@ -426,8 +426,9 @@ def test_bf16_and_fp16_precisions_train_under_autocast_with_fp32_weights(tokeniz
 
 
 def test_damaged_or_tampered_checkpoints_are_passed_over(tokenized, tmp_path, monkeypatch):
-    """A newest checkpoint whose extra.pt would run code, or whose shard is truncated, is never loaded:
-    the re-run warns naming it and resumes from the older intact one, and trains the uninterrupted model."""
+    """A checkpoint whose extra.pt or one of whose DCP items would run code, or whose shard is truncated,
+    is never loaded: the re-run warns naming it and resumes from the newest intact one (or starts afresh),
+    and trains the uninterrupted model."""
     ckpt_root = tmp_path / "ckpts"
     env = {"PIPELINE_CHECKPOINTS": str(ckpt_root)}
     args = ("train.checkpoint_every=2",)
@@ -436,18 +437,21 @@ def test_damaged_or_tampered_checkpoints_are_passed_over(tokenized, tmp_path, mo
     assert run(tokenized, tmp_path / "out", 1, *args, check=False, PIPELINE_FAULT_IN_CHECKPOINT="6", **env).returncode
     (folder,) = (p for p in ckpt_root.glob("pretrain/*") if p.is_dir())
     assert sorted(p.name for p in folder.glob("step-*")) == ["step-2", "step-4"]
-    # step-4's extra.pt replaced by a pickle that runs code, its manifest rewritten to match
+    # step-4's extra.pt replaced by a pickle that runs code, and one of step-2's DCP items (an optimizer
+    # group's lr), each with its manifest rewritten to match: neither is loaded, the run starts afresh
     marker = tmp_path / "code-ran"
     extra = torch.load(folder / "step-4/extra.pt", weights_only=True)
     torch.save({**extra, "payload": RunsCode(marker)}, folder / "step-4/extra.pt")
     from stages.common import ckpt
 
     ckpt.write_manifest(folder / "step-4")
+    item = craft_checkpoint_item(folder / "step-2", marker)
     proc = run(tokenized, tmp_path / "out", 1, *args, check=False, PIPELINE_FAULT_IN_CHECKPOINT="6", **env)
     log = proc.stdout + proc.stderr
     assert not marker.exists(), "loading a checkpoint ran code"
     assert f"not resuming from checkpoint {folder / 'step-4'}: extra.pt does not load as plain data" in log, log
-    assert "resuming from" in log and "(step 2)" in log, log
+    assert f"not resuming from checkpoint {folder / 'step-2'}: item {item} in state/" in log, log
+    assert not re.search(r"^resuming from", log, re.M), log
     # the re-run wrote a fresh step-4; truncate one of its shard files
     shard = sorted((folder / "step-4/state").glob("*.distcp"))[0]
     with open(shard, "r+b") as fh:
