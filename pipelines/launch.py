@@ -23,7 +23,8 @@ first node whose name resolves only to a loopback address (or to nothing) are re
 (PIPELINE_RDZV_HOST: the address to meet at instead). A node that never joins fails the rendezvous after
 PIPELINE_RDZV_TIMEOUT seconds (300). The stage itself then checks, before it reads any data, that its
 world is the size started here (PIPELINE_WORLD_SIZE, set for it) and that every process joins one
-all-reduce within PIPELINE_PREFLIGHT_TIMEOUT seconds (stages.common.runtime.preflight).
+all-reduce within PIPELINE_PREFLIGHT_TIMEOUT seconds (stages.common.runtime.preflight). These names, the exit
+codes and the files a stage leaves for the launcher are stages.common.contract's.
 
 Preemption: SIGTERM (what SLURM sends at preemption and near the time limit) and SLURM's warning
 signal USR1 (`sbatch --requeue --signal=B:USR1@<seconds>`, for a stage submitted on its own) reach the
@@ -39,7 +40,7 @@ process is gone, even by SIGKILL, the stage gets SIGTERM, saves a checkpoint and
 pipeline's MLflow run KILLED), instead of finishing and committing for a run no one observes.
 
 Under `dvc repro` or Snakemake, where dvc.lock records every finished stage's outputs, the launcher first
-hashes the stage's inputs that another stage made against those records (damaged_input): a file whose
+hashes the stage's inputs that another stage made against those records (pipelines.verify.damaged_input): a file whose
 bytes differ (a damaged object of DVC's cache checked out by `dvc pull`, a file changed in place with
 its size and time kept: both pass DVC's own checks) stops the stage before it starts, in one line with
 the mend, exit code 2.
@@ -51,7 +52,6 @@ that DVC has just brought up to date. Without them Snakemake judges those output
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import os
 import shutil
@@ -59,13 +59,14 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
+from pipelines import verify
 from pipelines.dag import fill, load_table
 from pipelines.sync import forget_records
+from stages.common import contract
 
 
 def visible_gpus() -> int:
@@ -92,7 +93,7 @@ def rendezvous_problem(host: str, nodes: int) -> str | None:
     own name to 127.0.1.1; torchrun would then listen where no other node can connect, and hang)."""
     addresses = resolve(host)
     fix = (
-        f"map {host} to its network address in /etc/hosts or DNS, or set PIPELINE_RDZV_HOST to an address "
+        f"map {host} to its network address in /etc/hosts or DNS, or set {contract.RDZV_HOST} to an address "
         f"of the allocation's first node that every node reaches"
     )
     if not addresses:
@@ -147,7 +148,7 @@ def layout_problem(stage: str, args: list[str], processes: int) -> str | None:
         return None
     return (
         f"launch: stage {stage} starts {processes} processes (its resources in pipelines/stages.yaml, or "
-        f"PIPELINE_NPROC_PER_NODE), but {stage}.train.{problem}"
+        f"{contract.NPROC_PER_NODE}), but {stage}.train.{problem}"
     )
 
 
@@ -161,13 +162,13 @@ def processes(stage: str, env: dict) -> tuple[int, int]:
     nproc = int(res["nproc_per_node"])
     if res.get("gpus_per_node", 0) and visible_gpus():
         nproc = min(int(res["gpus_per_node"]), visible_gpus())
-    override = env.get("PIPELINE_NPROC_PER_NODE")
+    override = env.get(contract.NPROC_PER_NODE)
     if override is not None:
         if not (override.strip().isdecimal() and int(override) > 0):
             # (int() would end the launcher in a traceback; 0 or less would start one process, which its
             # preflight then refuses)
             print(
-                f"error: launch: PIPELINE_NPROC_PER_NODE={override!r} is not a number of processes; set it to a "
+                f"error: launch: {contract.NPROC_PER_NODE}={override!r} is not a number of processes; set it to a "
                 f"positive integer (1, 2, ...: processes per node), or unset it for {name}'s own ({nproc})",
                 file=sys.stderr,
                 flush=True,
@@ -202,15 +203,15 @@ def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
                 f"--nodes={nodes} (the slurm profile does, from its resources in pipelines/stages.yaml)"
             )
         job = int(env["SLURM_JOB_ID"])
-        host = env.get("PIPELINE_RDZV_HOST") or (hosts[0] if hosts else None)
+        host = env.get(contract.RDZV_HOST) or (hosts[0] if hosts else None)
         if host is None:
-            raise SystemExit(f"launch: stage {name}: no SLURM_JOB_NODELIST to meet on; set PIPELINE_RDZV_HOST")
+            raise SystemExit(f"launch: stage {name}: no SLURM_JOB_NODELIST to meet on; set {contract.RDZV_HOST}")
         problem = rendezvous_problem(host, nodes)
         if problem:
             raise SystemExit(problem)
         endpoint = f"{host}:{29400 + job % 1000}"
         # A node that never joins fails the rendezvous after this many seconds instead of torchrun's 600.
-        join = int(env.get("PIPELINE_RDZV_TIMEOUT", "300"))
+        join = int(env.get(contract.RDZV_TIMEOUT, "300"))
         # --overlap: the step Snakemake runs this launcher in already holds a task of the allocation.
         return [
             "srun",
@@ -234,39 +235,20 @@ def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
     return [*torchrun, "--standalone", f"--nproc-per-node={nproc}", *module]
 
 
-def sigterm_when_orphaned() -> None:
-    """In the child, before it runs the stage: SIGTERM when this launcher exits, however it dies (Linux's
-    PR_SET_PDEATHSIG; stages.common.runtime.die_with_parent does the same for a stage's own children,
-    but imports torch, which this launcher never needs)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
-
-
-def process_start(pid: int) -> str | None:
-    """When process `pid` started (field 22 of /proc/<pid>/stat: tells a reused pid from the first
-    holder), or None when there is no such process."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 def watch_snakemake(stop, interval_s: float = 1.0) -> None:
     """Under a local Snakemake (PIPELINE_SNAKEMAKE_PID: its pid and host, set by the Snakefile), call
     stop() once that Snakemake is gone: killed by SIGKILL it cannot stop its jobs, and a stage that went on
     would finish, publish and commit for a run that no longer exists, its work redone by the next. Jobs
     on other hosts (a cluster executor's) are left alone: they outlive the process that submitted them."""
-    pid, _, host = os.environ.get("PIPELINE_SNAKEMAKE_PID", "").partition(":")
+    pid, _, host = os.environ.get(contract.SNAKEMAKE_PID, "").partition(":")
     if not pid.isdigit() or host != os.uname().nodename:
         return
-    started = process_start(int(pid))
+    started = contract.process_start(int(pid))
     if started is None:
         return
 
     def watch():
-        while process_start(int(pid)) == started:
+        while contract.process_start(int(pid)) == started:
             time.sleep(interval_s)
         print(
             f"launch: Snakemake (pid {pid}) is gone: stopping the stage (it saves a checkpoint; the next run "
@@ -289,88 +271,26 @@ def forget_snakemake_records(stage: str) -> None:
 
 def mark_pipeline(stage: str, code: int) -> None:
     """A stage that did not finish marks its pipeline's MLflow parent run FAILED or KILLED, also when it
-    stopped before opening its own run (stages/common/track.py: record_stage_end). Tracking never
+    stopped before opening its own run (stages/common/tracking/parents.py: record_stage_end). Tracking never
     changes the stage's exit code."""
     try:
         os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # no store notices after the stage's last line
-        from stages.common import track
+        from stages.common.tracking import parents
 
-        track.record_stage_end(stage, code)
+        parents.record_stage_end(stage, code)
     except Exception as e:  # noqa: BLE001 - a tracking problem must not hide the stage's own failure
         print(f"launch: could not mark the pipeline's MLflow run: {e}", file=sys.stderr, flush=True)
-
-
-def damaged_input(label: str, root: Path) -> str | None:
-    """Under `dvc repro` or Snakemake: the first input file of stage `label` (its deps that another
-    stage's outs hold) whose bytes are not what dvc.lock records for that stage, as one line with the
-    mend; None when every one is, or outside those tools (a stage run by hand may read outputs made by
-    hand), or with PIPELINE_VERIFY_INPUTS=off. A missing file, a folder whose listing DVC's cache lacks,
-    and records of stages the pipeline no longer has are left to the stage and DVC."""
-    if not (os.environ.get("DVC_ROOT") or os.environ.get("PIPELINE_SNAKEMAKE")):
-        return None
-    if os.environ.get("PIPELINE_VERIFY_INPUTS", "on").strip().lower() == "off":
-        return None
-    from pipelines import commit, verify
-
-    table = load_table()
-    name, _, item = label.partition("@")
-    deps = [fill(d, item or None).rstrip("/") for d in table[name].deps]
-    stages = {n for st in table.values() for n, _ in st.instances()}
-    with contextlib.chdir(root), commit.commit_lock():  # (Snakemake's jobs commit beside this one)
-        try:
-            outs = verify.lock_outs(commit.parse_yaml(commit.LOCK_FILE.read_text()) or {})
-        except (OSError, ValueError, AttributeError, TypeError, commit.yaml.YAMLError):
-            return None  # none yet, or cut short (Snakemake repairs it)
-    cache = dvc_cache_dir(root)
-    for out, (producer, md5) in sorted(outs.items()):
-        path = out.rstrip("/")
-        inside = [d for d in deps if d == path or d.startswith(f"{path}/") or path.startswith(f"{d}/")]
-        if producer not in stages or not commit.HASH.fullmatch(str(md5)) or not inside:
-            continue
-        files = {path: md5}
-        if md5.endswith(".dir"):  # a folder: DVC's listing of it, in its cache
-            listing = verify.read_json(cache / "files/md5" / md5[:2] / md5[2:])
-            if not isinstance(listing, list):
-                continue
-            files = {f"{path}/{e['relpath']}": e["md5"] for e in listing}
-        for file, want in sorted(files.items()):
-            if not any(file == d or file.startswith(f"{d}/") or path.startswith(f"{d}/") for d in inside):
-                continue
-            now = verify.file_md5(root / file)
-            if now is not None and now != want:
-                return (
-                    f"{file}, an input made by {producer}, is not what dvc.lock records (md5 {want}, its bytes "
-                    f"{now}): a damaged DVC cache object or a change made in place; `python -m pipelines.verify "
-                    f"--rehash` names the mend, or re-run {producer}"
-                )
-    return None
-
-
-def dvc_cache_dir(root: Path) -> Path:
-    """DVC's cache folder: `cache.dir` of .dvc/config.local, else of .dvc/config (relative to .dvc/), else
-    .dvc/cache."""
-    import configparser
-
-    for name in ("config.local", "config"):
-        parser = configparser.ConfigParser()
-        try:
-            parser.read(root / ".dvc" / name)
-        except configparser.Error:
-            continue
-        if parser.has_option("cache", "dir"):
-            return (root / ".dvc" / os.path.expanduser(parser.get("cache", "dir"))).resolve()
-    return root / ".dvc/cache"
 
 
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
     cmd = command(sys.argv[1], sys.argv[2:])
-    damaged = damaged_input(sys.argv[1], Path(os.environ.get("DVC_ROOT") or Path.cwd()))
+    damaged = verify.damaged_input(sys.argv[1], contract.workspace())
     if damaged:
-        mark_pipeline(sys.argv[1], 2)
+        mark_pipeline(sys.argv[1], contract.REFUSED_EXIT)
         print(f"error: launch: {sys.argv[1]}: {damaged}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        raise SystemExit(contract.REFUSED_EXIT)
     nproc, nodes = processes(sys.argv[1], os.environ)
     print("launch:", " ".join(cmd), file=sys.stderr, flush=True)
     # The child runs in a process group of its own, so Ctrl-C at a terminal reaches it once, through
@@ -378,12 +298,11 @@ def main() -> None:
     # killed with it, even by SIGKILL, it gets SIGTERM and its stage saves a checkpoint.
     # A stage stopped by a signal (checkpoint saved) leaves this file behind: torchrun reports its
     # workers' exit 143 as its own exit 1, and the launcher exits 143 for it.
-    stopped = Path(tempfile.gettempdir()) / f"pipeline-stopped-{os.getpid()}"
-    stopped.unlink(missing_ok=True)
     # A stage refusing its input (a UserError: one line, exit 2), or ended by its hang watchdog, leaves its
-    # exit code and line in this file: under torchrun the launcher repeats the line last and exits with
+    # exit code and line in the other file: under torchrun the launcher repeats the line last and exits with
     # that code, after torchrun's report of the failed workers.
-    error = Path(tempfile.gettempdir()) / f"pipeline-error-{os.getpid()}"
+    stopped, error = contract.launch_files(os.getpid())
+    stopped.unlink(missing_ok=True)
     error.unlink(missing_ok=True)
     # No terminal input: a background process group reading it would be stopped (SIGTTIN).
     # srun inside a job step of fewer nodes (Snakemake's around a rule) takes that step's nodes and
@@ -399,16 +318,16 @@ def main() -> None:
     child = subprocess.Popen(
         cmd,
         process_group=0,
-        preexec_fn=sigterm_when_orphaned,
+        preexec_fn=contract.die_with_parent,
         stdin=subprocess.DEVNULL,
         env={
             **base,
-            "PIPELINE_LAUNCHED": "1",
-            "PIPELINE_STAGE": sys.argv[1],
-            "PIPELINE_STOPPED_FILE": str(stopped),
-            "PIPELINE_ERROR_FILE": str(error),
-            "PIPELINE_LAUNCH_HOST": socket.gethostname(),  # (the file is on this host)
-            "PIPELINE_WORLD_SIZE": str(nproc * nodes),  # what the stage's preflight expects
+            contract.LAUNCHED: "1",
+            contract.STAGE: sys.argv[1],
+            contract.STOPPED_FILE: str(stopped),
+            contract.LAST_LINE_FILE: str(error),
+            contract.LAUNCH_HOST: socket.gethostname(),  # (the files are on this host)
+            contract.WORLD_SIZE: str(nproc * nodes),  # what the stage's preflight expects
         },
     )
     warned, forwarded = [], []
@@ -436,16 +355,16 @@ def main() -> None:
         signal.signal(sig, forward)
     watch_snakemake(lambda: forward(signal.SIGTERM, None))
     code = child.wait()
-    # "<exit code>\t<line>": a UserError (2) or the hang watchdog (stages.common.watchdog.HANG_EXIT)
-    said = error.read_text().strip().split("\t", 1) if code != 0 and error.exists() else []
+    # (exit code, line): a UserError (2) or the hang watchdog (contract.HANG_EXIT)
+    said = contract.read_last_line(error) if code != 0 else None
     error.unlink(missing_ok=True)
-    refused = said[1] if len(said) == 2 and said[0].isdigit() else ""
-    if refused:
-        code = int(said[0])  # the stage's own exit code, whatever torchrun made of it
+    refused = said[1] if said else ""
+    if said:
+        code = said[0]  # the stage's own exit code, whatever torchrun made of it
     elif code != 0 and stopped.exists():
-        code = 143  # stopped after a checkpoint: re-running resumes (schedulers read 143 as preempted)
+        code = contract.STOPPED_EXIT  # stopped after a checkpoint: re-running resumes (schedulers read it as preempted)
     stopped.unlink(missing_ok=True)
-    if code == 0 and not os.environ.get("PIPELINE_SNAKEMAKE"):
+    if code == 0 and not os.environ.get(contract.SNAKEMAKE):
         forget_snakemake_records(sys.argv[1])
     if warned and code != 0 and os.environ.get("SLURM_JOB_ID"):
         requeue(os.environ["SLURM_JOB_ID"], code)  # first: the job's time limit is near

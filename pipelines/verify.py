@@ -35,14 +35,17 @@ nature: not compared).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import os
 from pathlib import Path
 
 import yaml
 
 from pipelines.dag import MEASURED_DIR, fill, load_table, parse_yaml
 from pipelines.sync import dvc_status
+from stages.common import contract
 
 # A report row, or its figures, differs from the out it was read from: both outs restored as dvc.lock records
 # them. `dvc repro report` would not do: an edit that keeps the file's size and time passes `dvc status`,
@@ -332,10 +335,11 @@ def check_registry(root: Path, lock: dict, r: Report) -> None:
     from elsewhere (an experiment, another folder) are passed over: they neither stand for nor hide ours."""
     import mlflow
 
-    from stages.common import ckpt, registry, track
+    from stages.common import ckpt, registry
+    from stages.common.tracking import store
 
     expected = published_models(root, lock)
-    uri = track.tracking_uri(root)
+    uri = store.tracking_uri(root)
     if uri.startswith("sqlite:") and not (root / "mlflow.db").is_file():
         r.note("registry", f"no MLflow store at {uri} (PIPELINE_TRACKING=off?): {len(expected)} published model(s) "
                "not checked")  # fmt: skip
@@ -489,6 +493,68 @@ def within_tolerance(ours: Path, theirs: Path) -> bool:
         except (KeyError, TypeError, ValueError):
             return False
     return True
+
+
+def damaged_input(label: str, root: Path) -> str | None:
+    """Under `dvc repro` or Snakemake: the first input file of stage `label` (its deps that another
+    stage's outs hold) whose bytes are not what dvc.lock records for that stage, as one line with the
+    mend; None when every one is, or outside those tools (a stage run by hand may read outputs made by
+    hand), or with PIPELINE_VERIFY_INPUTS=off. A missing file, a folder whose listing DVC's cache lacks,
+    and records of stages the pipeline no longer has are left to the stage and DVC."""
+    if not (os.environ.get(contract.DVC_ROOT) or os.environ.get(contract.SNAKEMAKE)):
+        return None
+    if os.environ.get(contract.VERIFY_INPUTS, "on").strip().lower() == "off":
+        return None
+    from pipelines import commit
+
+    table = load_table()
+    name, _, item = label.partition("@")
+    deps = [fill(d, item or None).rstrip("/") for d in table[name].deps]
+    stages = {n for st in table.values() for n, _ in st.instances()}
+    with contextlib.chdir(root), commit.commit_lock():  # (Snakemake's jobs commit beside this one)
+        try:
+            outs = lock_outs(commit.parse_yaml(commit.LOCK_FILE.read_text()) or {})
+        except (OSError, ValueError, AttributeError, TypeError, commit.yaml.YAMLError):
+            return None  # none yet, or cut short (Snakemake repairs it)
+    cache = dvc_cache_dir(root)
+    for out, (producer, md5) in sorted(outs.items()):
+        path = out.rstrip("/")
+        inside = [d for d in deps if d == path or d.startswith(f"{path}/") or path.startswith(f"{d}/")]
+        if producer not in stages or not commit.HASH.fullmatch(str(md5)) or not inside:
+            continue
+        files = {path: md5}
+        if md5.endswith(".dir"):  # a folder: DVC's listing of it, in its cache
+            listing = read_json(cache / "files/md5" / md5[:2] / md5[2:])
+            if not isinstance(listing, list):
+                continue
+            files = {f"{path}/{e['relpath']}": e["md5"] for e in listing}
+        for file, want in sorted(files.items()):
+            if not any(file == d or file.startswith(f"{d}/") or path.startswith(f"{d}/") for d in inside):
+                continue
+            now = file_md5(root / file)
+            if now is not None and now != want:
+                return (
+                    f"{file}, an input made by {producer}, is not what dvc.lock records (md5 {want}, its bytes "
+                    f"{now}): a damaged DVC cache object or a change made in place; `python -m pipelines.verify "
+                    f"--rehash` names the mend, or re-run {producer}"
+                )
+    return None
+
+
+def dvc_cache_dir(root: Path) -> Path:
+    """DVC's cache folder: `cache.dir` of .dvc/config.local, else of .dvc/config (relative to .dvc/), else
+    .dvc/cache."""
+    import configparser
+
+    for name in ("config.local", "config"):
+        parser = configparser.ConfigParser()
+        try:
+            parser.read(root / ".dvc" / name)
+        except configparser.Error:
+            continue
+        if parser.has_option("cache", "dir"):
+            return (root / ".dvc" / os.path.expanduser(parser.get("cache", "dir"))).resolve()
+    return root / ".dvc/cache"
 
 
 def main(argv=None) -> int:

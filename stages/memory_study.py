@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 
 from stages import pretrain
-from stages.common import atomic, config, loop, runtime, shards, stage, track, train_config
+from stages.common import atomic, config, contract, loop, runtime, shards, stage, track, train_config
 
 STAGE = "memory_study"
 BASELINE = "baseline"
@@ -153,7 +153,7 @@ def run_fresh(spec: dict) -> dict:
         capture_output=True,
         text=True,
         env={**os.environ, **MALLOC_ENV, **THREAD_ENV},
-        preexec_fn=runtime.die_with_parent,  # a killed study leaves no run behind
+        preexec_fn=contract.die_with_parent,  # a killed study leaves no run behind
     )
     if proc.returncode != 0:
         raise RuntimeError(f"memory_study: the run {spec['name']} at {spec['context']} failed:\n{proc.stderr[-3000:]}")

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from conftest import collector_thresholds
 
-from pipelines import launch
+from pipelines import launch, verify
 from pipelines.dag import Stage, load_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -268,12 +268,12 @@ def test_the_launcher_stops_a_stage_whose_input_is_not_what_dvc_lock_records(tmp
     label = "eval_perplexity@pretrain"
     monkeypatch.delenv("PIPELINE_SNAKEMAKE", raising=False)
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
-    assert launch.damaged_input(label, tmp_path) is None
+    assert verify.damaged_input(label, tmp_path) is None
 
     (tmp_path / "data/train_gnn/metrics.json").write_bytes(b"[]")  # not an input of this stage
-    assert launch.damaged_input(label, tmp_path) is None
+    assert verify.damaged_input(label, tmp_path) is None
     (tmp_path / "data/pretrain/model/model.safetensors").write_bytes(b"weighTs")  # its size kept
-    line = launch.damaged_input(label, tmp_path)
+    line = verify.damaged_input(label, tmp_path)
     assert line and line.startswith("data/pretrain/model/model.safetensors, an input made by pretrain, is not what"), (
         line
     )
@@ -281,14 +281,14 @@ def test_the_launcher_stops_a_stage_whose_input_is_not_what_dvc_lock_records(tmp
 
     (tmp_path / ".dvc/cache").rename(tmp_path / "shared-cache")  # `dvc cache dir ../shared-cache`
     (tmp_path / ".dvc/config").write_text("[cache]\n    dir = ../shared-cache\n")
-    assert launch.damaged_input(label, tmp_path) == line
+    assert verify.damaged_input(label, tmp_path) == line
     monkeypatch.setenv("PIPELINE_VERIFY_INPUTS", "off")
-    assert launch.damaged_input(label, tmp_path) is None
+    assert verify.damaged_input(label, tmp_path) is None
     monkeypatch.delenv("PIPELINE_VERIFY_INPUTS")
 
     monkeypatch.delenv("DVC_ROOT")
-    assert launch.damaged_input(label, tmp_path) is None, "a launch by hand reads what it is given"
+    assert verify.damaged_input(label, tmp_path) is None, "a launch by hand reads what it is given"
     monkeypatch.setenv("PIPELINE_SNAKEMAKE", "1")
-    assert launch.damaged_input(label, tmp_path) is not None
+    assert verify.damaged_input(label, tmp_path) is not None
     shutil.rmtree(tmp_path / "shared-cache")
-    assert launch.damaged_input(label, tmp_path) is None, "no listing in the cache: left to DVC"
+    assert verify.damaged_input(label, tmp_path) is None, "no listing in the cache: left to DVC"

@@ -21,8 +21,10 @@ import shutil
 import socket
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from stages.common import runtime
+if TYPE_CHECKING:  # (a runtime is received: writing files never loads torch)
+    from stages.common import runtime
 
 
 @functools.cache
@@ -122,7 +124,7 @@ def begin(final: str | Path, rt: runtime.Runtime | None = None) -> Path:
         tmp = _tmp_sibling(final)
         tmp.mkdir()
     if rt is not None and rt.distributed:
-        tmp = Path(runtime.broadcast_object(str(tmp) if tmp else None))
+        tmp = Path(rt.broadcast(str(tmp) if tmp else None))
     return tmp
 
 
@@ -132,7 +134,7 @@ def publish(final: str | Path, tmp: Path, rt: runtime.Runtime | None, ok: bool) 
     own error is the caller's to raise)."""
     final = Path(final)
     collective = rt is not None and rt.distributed
-    all_ok = not runtime.any_rank(not ok) if collective else ok
+    all_ok = not rt.any(not ok) if collective else ok
     if rt is None or rt.is_main:
         if all_ok:
             if final.exists():
@@ -143,7 +145,7 @@ def publish(final: str | Path, tmp: Path, rt: runtime.Runtime | None, ok: bool) 
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     if collective:
-        runtime.barrier()
+        rt.barrier()
     if ok and not all_ok:
         raise RuntimeError(f"another rank failed while writing {final}; it was not published")
 

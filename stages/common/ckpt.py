@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import fcntl
 import hashlib
 import importlib
 import io
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common import atomic, runtime
+from stages.common import atomic, contract, runtime
 from stages.common.config import UserError
 from stages.common.digest import sha256_file
 
@@ -54,12 +53,7 @@ WATCH_KEYS = ("hang_timeout_s", "collective_timeout_s")
 SAVE_KEYS = ("async_checkpoint",)
 
 
-# PIPELINE_CHECKPOINTS, else checkpoints/ in the repository (DVC_ROOT: also for a queued or temporary DVC
-# experiment, whose copy of the repository DVC deletes), else in the working directory.
-CHECKPOINT_ROOT = Path(
-    os.environ.get("PIPELINE_CHECKPOINTS")
-    or (Path(os.environ["DVC_ROOT"]) / "checkpoints" if os.environ.get("DVC_ROOT") else "checkpoints")
-)
+CHECKPOINT_ROOT = contract.checkpoint_root()  # (read once, when the stage starts)
 
 
 def checkpoint_key(params: dict, inputs_hash: str) -> str:
@@ -164,28 +158,17 @@ def exclusive(folder: str | Path, rt: runtime.Runtime):
     handle, problem = None, None
     if rt.is_main:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            handle = open(path, "a+")
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"{os.getpid()} {os.uname().nodename}\n")
-            handle.flush()
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            problem = (
-                f"checkpoint folder {folder} is in use by another run (pid, host: {holder}); wait for it to "
-                f"finish or stop it, then re-run (it resumes from the checkpoints)"
-            )
-            handle.close()
+            handle, holder = contract.try_lock(path)
+            if handle is None:
+                problem = (
+                    f"checkpoint folder {folder} is in use by another run (pid, host: {holder}); wait for it to "
+                    f"finish or stop it, then re-run (it resumes from the checkpoints)"
+                )
         except OSError as e:  # e.g. a network filesystem without locks
             problem = (
-                f"cannot lock checkpoint folder {folder} ({e}); put PIPELINE_CHECKPOINTS on a filesystem "
+                f"cannot lock checkpoint folder {folder} ({e}); put {contract.CHECKPOINTS} on a filesystem "
                 f"with flock support (a local disk, NFS with lockd)"
             )
-            if handle is not None:
-                handle.close()
     problem = runtime.broadcast_object(problem)  # every rank stops together
     if problem:
         raise UserError(problem)

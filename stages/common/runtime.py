@@ -16,11 +16,13 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from stages.common import contract
+from stages.common.contract import workspace  # noqa: F401 - (the tracking store's root, read as runtime.workspace)
 
 
 @dataclass(frozen=True)
@@ -39,20 +41,16 @@ class Runtime:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    # The collectives of the modules that must not import torch themselves (stages.common.atomic): they
+    # receive the runtime and call these.
+    def broadcast(self, obj, src: int = 0):
+        return broadcast_object(obj, src)
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send `sig` to this process when its parent exits (prctl PR_SET_PDEATHSIG), so a
-    stage never trains on unobserved after its launcher or torchrun was killed: SIGTERM makes it save a
-    checkpoint and stop. A no-op elsewhere. Also usable as a Popen preexec_fn."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
+    def any(self, flag: bool) -> bool:
+        return any_rank(flag)
 
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
+    def barrier(self) -> None:
+        barrier()
 
 
 COLLECTIVE_TIMEOUT_S = 1800  # the process group's timeout when a stage sets none (train.collective_timeout_s)
@@ -62,8 +60,8 @@ def init(timeout_s: float = COLLECTIVE_TIMEOUT_S, cpu_collectives: bool = False)
     """Join the process group when launched by torchrun; pick the device; share the cores. With
     `cpu_collectives` on GPUs, collectives on CPU tensors get gloo beside nccl (FSDP2's CPU offload
     reduces and clips gradients that live on the host)."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("PIPELINE_LAUNCHED"):
-        die_with_parent()  # torchrun's workers run in sessions of their own; they go when it goes
+    if "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get(contract.LAUNCHED):
+        contract.die_with_parent()  # torchrun's workers run in sessions of their own; they go when it goes
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -83,33 +81,16 @@ def init(timeout_s: float = COLLECTIVE_TIMEOUT_S, cpu_collectives: bool = False)
     return Runtime(rank, world_size, local_rank, local_world_size, device)
 
 
-def leave_last_line(code: int, line: str) -> None:
-    """Leave the stage's last line and exit code where pipelines.launch reads them after torchrun exits
-    (PIPELINE_ERROR_FILE, on the launcher's host, PIPELINE_LAUNCH_HOST): the first process to leave one wins."""
-    path = os.environ.get("PIPELINE_ERROR_FILE")
-    if not path or os.environ.get("PIPELINE_LAUNCH_HOST", socket.gethostname()) != socket.gethostname():
-        return
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError:  # another rank's line is there already
-        return
-    with os.fdopen(fd, "w") as fh:
-        fh.write(f"{code}\t{line}\n")
-
-
-PREFLIGHT_EXIT = 3  # a process that gave up waiting for the others in preflight
-
-
 def preflight(rt: Runtime, timeout_s: float | None = None) -> None:
     """Before a stage reads any data: the world is the size its launcher started (PIPELINE_WORLD_SIZE:
     processes per node x nodes), and every process joins one all-reduce within `timeout_s` seconds
     (PIPELINE_PREFLIGHT_TIMEOUT, default 120). A process still waiting then prints why and exits
-    (PREFLIGHT_EXIT): a stage never hangs on a peer that is missing or cannot be reached."""
+    (contract.PREFLIGHT_EXIT): a stage never hangs on a peer that is missing or cannot be reached."""
     import threading
 
     from stages.common import config
 
-    expected = os.environ.get("PIPELINE_WORLD_SIZE")
+    expected = os.environ.get(contract.WORLD_SIZE)
     if expected and int(expected) != rt.world_size:
         raise config.UserError(
             f"preflight: {rt.world_size} processes joined, the stage's resources start {expected} (nproc_per_node x "
@@ -118,7 +99,7 @@ def preflight(rt: Runtime, timeout_s: float | None = None) -> None:
         )
     if not rt.distributed:
         return
-    timeout_s = float(os.environ.get("PIPELINE_PREFLIGHT_TIMEOUT", 120)) if timeout_s is None else timeout_s
+    timeout_s = float(os.environ.get(contract.PREFLIGHT_TIMEOUT, 120)) if timeout_s is None else timeout_s
     joined = threading.Event()
 
     def give_up():
@@ -131,7 +112,7 @@ def preflight(rt: Runtime, timeout_s: float | None = None) -> None:
                 file=sys.stderr,
                 flush=True,
             )
-            os._exit(PREFLIGHT_EXIT)  # (the all-reduce blocks this thread's peer: no clean way out)
+            os._exit(contract.PREFLIGHT_EXIT)  # (the all-reduce blocks this thread's peer: no clean way out)
 
     timer = threading.Timer(timeout_s, give_up)
     timer.daemon = True
@@ -224,13 +205,6 @@ def _cpuinfo() -> tuple[str, frozenset]:
 def cpu_has_native_bf16() -> bool:
     """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16)."""
     return bool({"avx512_bf16", "amx_bf16"} & _cpuinfo()[1])
-
-
-def workspace() -> Path:
-    """The repository whose records (the MLflow store, checkpoints) a stage keeps: DVC_ROOT where DVC
-    runs the stage, which names the repository's root also for queued and temporary experiments (they
-    run in a copy under .dvc/tmp/exps that DVC deletes afterwards), else the working directory."""
-    return Path(os.environ.get("DVC_ROOT") or Path.cwd()).resolve()
 
 
 def cpu_info() -> dict:

@@ -36,9 +36,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stages.common import atomic, ckpt, config, digest, environment, provenance, registry, runtime, track
+from stages.common import atomic, ckpt, config, contract, digest, environment, provenance, registry, runtime, track
 
-STOPPED_EXIT_CODE = 143
 REFUSAL_GRACE_S = 10.0  # how long a rank other than 0 that refused its input waits for rank 0 to say why
 if TYPE_CHECKING:  # (the training stack is the training stages' own import)
     from stages.common.train_config import TrainConfig
@@ -141,9 +140,8 @@ def launch(section: str, body, train: TrainConfig | None = None):
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     if stopped:
-        if os.environ.get("PIPELINE_STOPPED_FILE") and os.environ.get("LOCAL_RANK", "0") == "0":
-            Path(os.environ["PIPELINE_STOPPED_FILE"]).touch()  # tells this node's pipelines.launch
-        raise SystemExit(STOPPED_EXIT_CODE)  # preempted: a checkpoint holds the progress; re-running resumes
+        contract.mark_stopped()  # tells this node's pipelines.launch
+        raise SystemExit(contract.STOPPED_EXIT)  # preempted: a checkpoint holds the progress; re-running resumes
 
 
 def inputs_hash(paths, rt: runtime.Runtime) -> str:
@@ -340,21 +338,21 @@ def register_models(tracker, section: str, cfg, models: dict, output, inputs: li
 
 def entry(main) -> None:
     """`python -m stages.<name>`: a UserError becomes one line on stderr (rank 0) and exit code 2. Under
-    pipelines.launch the first rank to fail this way also leaves the line in PIPELINE_ERROR_FILE: torchrun
+    pipelines.launch the first rank to fail this way also leaves the line in its last-line file (contract): torchrun
     reports any failed worker as its own exit 1, after pages of its own, and the launcher ends with the line
     and exit 2. A stage that finished, or refused its input, ends without the interpreter's teardown
     (exit_now); other failures end as Python ends them, with their traceback."""
     try:
         main()
     except config.UserError as e:
-        runtime.leave_last_line(2, f"error: {e}")
+        contract.leave_last_line(contract.REFUSED_EXIT, f"error: {e}")
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:
             # Every rank refuses the same input and rank 0 says so. A rank that ended first would have a bare
             # torchrun stop rank 0, maybe before its line is out: the others wait, and are stopped once it is.
             time.sleep(REFUSAL_GRACE_S)
-        exit_now(2)
+        exit_now(contract.REFUSED_EXIT)
     exit_now(0)
 
 

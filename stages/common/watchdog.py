@@ -34,9 +34,9 @@ import threading
 import time
 import traceback
 
-from stages.common import runtime
+from stages.common import contract, runtime
 
-HANG_EXIT = 124  # the stage ended because a rank made no progress (as GNU timeout's 124)
+HANG_EXIT = contract.HANG_EXIT  # the stage ended because a rank made no progress
 HANG_STEP_MULTIPLE = 10  # a step that takes this many median steps is a hang ...
 FIRST_STEP_FACTOR = 3  # ... and before the first step: this many times the floor (loading, compiling)
 COLLECT_S = 15.0  # how long rank 0 waits for the other ranks' reports
@@ -120,7 +120,7 @@ def watching(rt: runtime.Runtime, floor_s: float, on_hang=None):
 class Watchdog:
     """Watches one rank's progress (see the module's doc). `on_hang(cause)` runs on rank 0 before the
     process exits (the stage marks its MLflow run there); the last line and exit code are left for the
-    launcher (runtime.leave_last_line)."""
+    launcher (contract.leave_last_line)."""
 
     def __init__(self, rank: int, world_size: int, floor_s: float, on_hang=None, store=None):
         self.rank, self.world_size, self.floor_s = rank, world_size, float(floor_s)
@@ -199,7 +199,7 @@ class Watchdog:
                 self.on_hang(message)
             except Exception as e:  # noqa: BLE001 - tracking must not keep a hung stage alive
                 print(f"hang watchdog: could not mark the MLflow run: {e}", file=sys.stderr, flush=True)
-        runtime.leave_last_line(HANG_EXIT, f"error: {message}")
+        contract.leave_last_line(HANG_EXIT, f"error: {message}")
         if self.rank == 0 and store is not None:
             try:
                 store.set("watchdog/reported", "1")
