@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipelines import preset  # noqa: E402
 from stages import pretrain  # noqa: E402
-from stages.common import ckpt, config, loop, runtime, track, train_config  # noqa: E402
+from stages.common import ckpt, config, loop, runtime, train_config  # noqa: E402
+from stages.common.tracking.tracker import NullTracker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,9 +133,7 @@ def run(tokens: np.ndarray, vocab: int, args, asynchronous: bool) -> dict:
         with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
             model = make_model(vocab)
             t0 = time.perf_counter()
-            out = loop.train(
-                model, tokens, tokens, cfg, args.context, rt, Path(tmp), track.Tracker(None), runtime.StopFlag()
-            )
+            out = loop.train(model, tokens, tokens, cfg, args.context, rt, Path(tmp), NullTracker(), runtime.StopFlag())
             wall = time.perf_counter() - t0
     finally:
         uninstall()

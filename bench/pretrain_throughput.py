@@ -42,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stages.common import loop, runtime, track, train_config  # noqa: E402
+from stages.common import loop, runtime, train_config  # noqa: E402
+from stages.common.tracking.tracker import NullTracker  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, FFN, VOCAB, CONTEXT, BATCH = 256, 4, 8, 688, 4096, 256, 8
 
@@ -84,9 +85,7 @@ def run_stage(tokens: np.ndarray, steps: int, compile_mode: str | None = None, p
     rt = runtime.Runtime(0, 1, 0, 1, torch.device("cpu"))
     cfg = loop_cfg(steps, compile_mode, precision)
     with tempfile.TemporaryDirectory() as tmp:
-        out = loop.train(
-            make_model(), tokens, tokens, cfg, CONTEXT, rt, Path(tmp), track.Tracker(None), runtime.StopFlag()
-        )
+        out = loop.train(make_model(), tokens, tokens, cfg, CONTEXT, rt, Path(tmp), NullTracker(), runtime.StopFlag())
     return out.tokens_per_s
 
 

@@ -18,7 +18,7 @@ import html
 import json
 from pathlib import Path
 
-from stages.common.track import flatten
+from stages.common.config import flatten
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 80em; color: #1f272d; }

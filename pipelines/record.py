@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from stages import report
-from stages.common import atomic, config, track
+from stages.common import atomic, config, provenance
 
 RECORDED = Path(__file__).resolve().parent / "recorded.yaml"
 HEADER = """\
@@ -49,7 +49,7 @@ def record(params_file: Path, data: Path, path: Path = RECORDED, preset: str = "
     params = config.read_yaml(params_file)
     entry = {
         "params": report.params_fingerprint(params),
-        "recorded": f"{datetime.date.today().isoformat()}, commit {track.git_commit()[:12]}",
+        "recorded": f"{datetime.date.today().isoformat()}, commit {provenance.git_commit()[:12]}",
         **({"preset": preset} if preset else {}),
         "perplexity": collect(data),
         # the params behind them, for the report to name what differs when no record matches

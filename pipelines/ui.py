@@ -2,10 +2,10 @@
 
     python -m pipelines.ui [PORT [STORE]]
 
-STORE is the backend store URI the server serves (default: the stages' store, stages/common/track.py).
+STORE is the backend store URI the server serves (default: the stages' store, stages/common/tracking/store.py).
 
 The runs table in the saved view `training` (the columns a user compares across stage runs, see
-stages/common/track.py: VIEW_COLUMNS) and the registered models, both in the UI's model-training mode.
+stages/common/tracking/store.py: VIEW_COLUMNS) and the registered models, both in the UI's model-training mode.
 Before any stage ran, the experiment does not exist yet and only the server's address is printed.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from stages.common import track
+from stages.common.tracking import store
 
 
 def pages(base: str, uri: str) -> list[str]:
@@ -22,15 +22,15 @@ def pages(base: str, uri: str) -> list[str]:
 
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         return [base]  # no stage ran: nothing to show yet (and no empty store to create)
-    exp = mlflow.MlflowClient(uri).get_experiment_by_name(track.EXPERIMENT)
+    exp = mlflow.MlflowClient(uri).get_experiment_by_name(store.EXPERIMENT)
     if exp is None:
         return [base]
-    return [track.view_url(base, exp.experiment_id), f"{base}/#/models?{track.UI_QUERY}"]
+    return [store.view_url(base, exp.experiment_id), f"{base}/#/models?{store.UI_QUERY}"]
 
 
 def main() -> None:
     port = sys.argv[1] if len(sys.argv) > 1 else "5000"
-    uri = sys.argv[2] if len(sys.argv) > 2 else track.tracking_uri(Path.cwd())
+    uri = sys.argv[2] if len(sys.argv) > 2 else store.tracking_uri(Path.cwd())
     base = f"http://127.0.0.1:{port}"
     try:
         found = pages(base, uri)

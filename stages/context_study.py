@@ -30,7 +30,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.common import atomic, config, digest, environment, stage, track
+from stages.common import atomic, config, digest, environment, stage
+from stages.common.tracking import runs
 
 STAGE = "context_study"
 PI = "Chen et al. 2023 (Position Interpolation)"
@@ -333,7 +334,7 @@ def main(argv=None) -> dict:
     def body(rt, stop):
         if rt.is_main:
             inputs_hash = digest.hash_files([extend / "meta.json", evaluated / "figures.json"])
-            with track.start_run(
+            with runs.start_run(
                 STAGE, config.as_dict(cfg), inputs_hash, rt, tags=environment.run_tags(STAGE)
             ) as tracker:
                 with atomic.folder(output) as tmp:

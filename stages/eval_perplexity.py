@@ -66,7 +66,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages.common import atomic, config, hf_folder, registry, runtime, shards, stage, track, watchdog, wikitext
+from stages.common import atomic, config, hf_folder, registry, runtime, shards, stage, watchdog, wikitext
+from stages.common.tracking.tracker import Tracker
 
 STAGE = "eval_perplexity"
 METRICS = ("nll", "perplexity", "bits_per_byte", "byte_perplexity", "word_perplexity", "tokens")
@@ -522,7 +523,7 @@ def write_outputs(metrics: dict, folder: Path) -> None:
             fh.writelines(f"{m['context']},{m['perplexity']:.6f}\n" for m in per_context.values())
 
 
-def run(specs, streams, cfg: Config, output: Path, measured: Path, rt: runtime.Runtime, tracker: track.Tracker) -> dict:
+def run(specs, streams, cfg: Config, output: Path, measured: Path, rt: runtime.Runtime, tracker: Tracker) -> dict:
     first = next(iter(streams.values()))
     metrics = {"protocol": cfg.protocol, "bytes": first.bytes, "words": first.words, "models": {}}
     if first.documents is not None:
@@ -530,8 +531,7 @@ def run(specs, streams, cfg: Config, output: Path, measured: Path, rt: runtime.R
     speed = {}  # {model: {ctx<n>: tokens/s}}: measured, outside the output
     dtype = runtime.compute_dtype(rt.device, cfg.precision)
     runtime.warn_if_emulated_bf16(rt.device, dtype, rt)
-    on_hang = getattr(tracker, "fail_from_thread", None)
-    with watchdog.watching(rt, cfg.hang_timeout_s, on_hang) as watch, atomic.folder(output, rt) as tmp:
+    with watchdog.watching(rt, cfg.hang_timeout_s, tracker.fail_from_thread) as watch, atomic.folder(output, rt) as tmp:
         for spec in specs:
             watch.beat(where=f"loading {spec.label}")
             model, stream = load_model(spec, rt, cfg.precision), streams[spec.label]

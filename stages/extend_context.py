@@ -46,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-from stages.common import atomic, ckpt, config, hf_folder, loop, runtime, shards, stage, track, train_config
+from stages.common import atomic, ckpt, config, hf_folder, loop, runtime, shards, stage, train_config
+from stages.common.tracking.tracker import Tracker
 
 STAGE = "extend_context"
 UNSCALED = "unscaled"
@@ -171,16 +172,49 @@ def check_inputs(base: Path, data: Path, cfg: Config):
 
 
 class PrefixedTracker:
-    """One MLflow run for the stage; each fine-tune logs its metrics under `<variant>.`."""
+    """One MLflow run for the stage; each fine-tune logs its metrics under `<variant>.` (a Tracker around
+    the stage's own: everything else, a hang's failure included, goes to that run as it is)."""
 
-    def __init__(self, tracker: track.Tracker, prefix: str):
+    def __init__(self, tracker: Tracker, prefix: str):
         self.tracker, self.prefix = tracker, prefix
+
+    @property
+    def run_id(self) -> str | None:
+        return self.tracker.run_id
+
+    @property
+    def lost(self) -> str | None:
+        return self.tracker.lost
+
+    def __bool__(self) -> bool:
+        return bool(self.tracker)
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         self.tracker.log_metrics({f"{self.prefix}.{k}": v for k, v in metrics.items()}, step=step)
 
+    def log_series(self, series: dict[str, list[float]]) -> None:
+        self.tracker.log_series({f"{self.prefix}.{k}": v for k, v in series.items()})
+
     def set_tags(self, tags: dict) -> None:
         self.tracker.set_tags(tags)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.tracker.log_artifact(path, artifact_path)
+
+    def log_text(self, text: str, name: str) -> None:
+        self.tracker.log_text(text, name)
+
+    def register(self, record: dict) -> None:
+        self.tracker.register(record)
+
+    def flush(self, timeout_s: float) -> bool:
+        return self.tracker.flush(timeout_s)
+
+    def fail_from_thread(self, cause: str) -> None:
+        self.tracker.fail_from_thread(cause)
+
+    def end(self, status: str) -> bool:
+        return self.tracker.end(status)
 
 
 def finetune(
@@ -328,11 +362,11 @@ def run(
             output, rt, lambda tmp: write_outputs(tmp, base, configs, summaries, finals, cfg, original, rt.device)
         )
         if rt.is_main:
-            final_metrics = track.flatten(stage.read_figures(output))
+            final_metrics = config.flatten(stage.read_figures(output))
             tracker.log_metrics({k: v for k, v in final_metrics.items() if v is not None})
             speed = {f"{n}-ft": {"tokens_per_s": s["tokens_per_s"]} for n, s in summaries.items()}
             stage.write_measured(measured, output, speed)
-            tracker.log_metrics(track.flatten(speed))
+            tracker.log_metrics(config.flatten(speed))
             tracker.log_artifact(measured)
             tracker.log_artifact(output / "meta.json")
             if summaries:

@@ -60,7 +60,8 @@ from pathlib import Path
 import torch
 
 from stages import pretrain
-from stages.common import atomic, config, contract, loop, runtime, shards, stage, track, train_config
+from stages.common import atomic, config, contract, loop, runtime, shards, stage, train_config
+from stages.common.tracking.tracker import NullTracker
 
 STAGE = "memory_study"
 BASELINE = "baseline"
@@ -127,9 +128,7 @@ def measure(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() / 2**20 if cuda else status_mb("VmRSS")
     with tempfile.TemporaryDirectory() as folder:
-        result = loop.train(
-            model, tokens, tokens, train, context, rt, Path(folder), track.Tracker(None), runtime.StopFlag()
-        )
+        result = loop.train(model, tokens, tokens, train, context, rt, Path(folder), NullTracker(), runtime.StopFlag())
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else status_mb("VmHWM")
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / 2**20
     state = result.optimizer_state_bytes / 2**20

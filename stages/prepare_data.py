@@ -44,7 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.common import atomic, ckpt, config, digest, environment, runtime, sources, stage, track
+from stages.common import atomic, ckpt, config, digest, environment, runtime, sources, stage
+from stages.common.tracking import runs
 
 STAGE = "prepare_data"
 SPLITS = ("train", "val", "test")
@@ -602,7 +603,7 @@ def main(argv=None) -> dict:
 
 
 def run_tracked(cfg: Config, output: Path, rt: runtime.Runtime) -> dict:
-    with track.start_run(STAGE, config.as_dict(cfg), "", rt, tags=environment.run_tags(STAGE)) as tracker:
+    with runs.start_run(STAGE, config.as_dict(cfg), "", rt, tags=environment.run_tags(STAGE)) as tracker:
         meta = prepare(cfg, output)
         tracker.set_tags({"inputs_hash": ckpt.checkpoint_key({}, json.dumps(meta["corpus"]["sha256"], sort_keys=True))})
         tracker.log_metrics(metrics_of(meta))

@@ -64,7 +64,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.common import atomic, config, digest, environment, registry, runtime, stage, track
+from stages.common import atomic, config, digest, environment, registry, runtime, stage
+from stages.common.tracking import runs
 
 STAGE = "report"
 ROW_FIELDS = (
@@ -269,10 +270,10 @@ def render_markdown(doc: dict) -> str:
     lines += ["", "## Stage metrics", ""]
     for label, metrics in doc["stage_metrics"].items():
         lines += [f"### {label}", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {fmt(v)} |" for k, v in sorted(track.flatten(metrics).items())]
+        lines += [f"| {k} | {fmt(v)} |" for k, v in sorted(config.flatten(metrics).items())]
         lines.append("")
     for name, items in doc["comparisons"].items():
-        flat = {item: track.flatten(metrics) for item, metrics in items.items()}
+        flat = {item: config.flatten(metrics) for item, metrics in items.items()}
         keys = sorted(set.intersection(*(set(m) for m in flat.values())))
         lines += [f"## Comparison: {name}", "", "| metric | " + " | ".join(flat) + " |", "|---|" + "---|" * len(flat)]
         lines += [f"| {k} | " + " | ".join(fmt(m[k]) for m in flat.values()) + " |" for k in keys]
@@ -373,7 +374,7 @@ def regression_params(params: dict) -> dict:
 
 def params_differences(ours: dict, recorded: dict) -> list[str]:
     """'section.key: ours (recorded: theirs)' for every setting that differs, nested keys flattened."""
-    a, b = track.flatten(ours), track.flatten(recorded)
+    a, b = config.flatten(ours), config.flatten(recorded)
     absent = "(absent)"
     return [
         f"{k}: {a.get(k, absent)} (recorded: {b.get(k, absent)})"
@@ -489,7 +490,7 @@ def main(argv=None) -> dict:
         doc = None
         if rt.is_main:
             metric_files = [p / n for p in inputs for n in ("figures.json", "metrics.json") if (p / n).is_file()]
-            with track.start_run(
+            with runs.start_run(
                 STAGE, config.as_dict(cfg), digest.hash_files(metric_files), rt, tags=environment.run_tags(STAGE)
             ) as tracker:
                 doc = build_report(inputs)

@@ -41,7 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.common import atomic, ckpt, config, digest, runtime, shards, stage, track
+from stages.common import atomic, ckpt, config, digest, runtime, shards, stage
+from stages.common.tracking.tracker import Tracker
 
 STAGE = "tokenize"
 SPLITS = ("train", "val", "test")
@@ -364,7 +365,7 @@ def encode_chunks(tok, cfg: Config, corpus: Path, work: Path, rt: runtime.Runtim
 
 
 def tokenize(
-    cfg: Config, inp: Path, output: Path, measured: Path, rt: runtime.Runtime, tracker: track.Tracker, work: Path
+    cfg: Config, inp: Path, output: Path, measured: Path, rt: runtime.Runtime, tracker: Tracker, work: Path
 ) -> dict:
     corpus = inp / "corpus"
     if rt.is_main:

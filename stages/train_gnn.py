@@ -45,7 +45,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stages.common import atomic, config, digest, runtime, sources, stage, track
+from stages.common import atomic, config, digest, runtime, sources, stage
+from stages.common.tracking.tracker import Tracker
 from stages.models.gnn import build_model
 
 STAGE = "train_gnn"
@@ -420,7 +421,7 @@ def plot_accuracy(results: list[dict], summary: dict, cfg: Config, path: Path) -
     plt.close(fig)
 
 
-def log_curves(tracker: track.Tracker, results: list[dict], cfg: Config) -> None:
+def log_curves(tracker: Tracker, results: list[dict], cfg: Config) -> None:
     """Per-epoch means over seeds, one point per epoch and curve (sent in batches by the tracker)."""
     tracker.log_series(
         {f"{kind}_{key}": list(values) for kind in cfg.models for key, values in mean_curves(results, kind).items()}

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from stages.common import loop, runtime, track, train_config
+from stages.common import loop, runtime, train_config
+from stages.common.tracking.tracker import NullTracker
 
 
 class OneRankGroup(runtime.Runtime):
@@ -51,7 +52,7 @@ def curve(strategy: str, rt: runtime.Runtime, tokens: np.ndarray) -> list[float]
         steps=6, lr=1e-2, min_lr=1e-3, warmup_steps=1, strategy=strategy, eval_batches=0, log_every=100
     )
     with tempfile.TemporaryDirectory() as tmp:
-        out = loop.train(model(), tokens, tokens, cfg, 64, rt, Path(tmp), track.Tracker(None), runtime.StopFlag())
+        out = loop.train(model(), tokens, tokens, cfg, 64, rt, Path(tmp), NullTracker(), runtime.StopFlag())
     return out.history["loss"]
 
 

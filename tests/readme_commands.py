@@ -182,7 +182,7 @@ HOW: dict[str, tuple[str, str]] = {
     "snakemake -n": ("run", "a dry run: after the pipeline, nothing to do"),
     "python -m pipelines.sync": ("run", "aligns file times with dvc status; nothing to change after the pipeline"),
     'echo "$MLFLOW_TRACKING_URI"': ("run", ""),
-    "python -m stages.common.track resend": ("run", "nothing unsent after the pipeline"),
+    "python -m stages.common.tracking.journal resend": ("run", "nothing unsent after the pipeline"),
 }
 
 

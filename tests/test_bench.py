@@ -10,7 +10,8 @@ import sys
 import pytest
 from conftest import ROOT, TRACKED, stage_env
 
-from stages.common import config, track
+from stages.common import config
+from stages.common.tracking import store
 
 
 @pytest.mark.long
@@ -67,7 +68,7 @@ def test_gpu_check_refuses_a_machine_without_a_gpu(tmp_path):
 
 def test_tracking_switch_takes_on_or_off_only(monkeypatch):
     monkeypatch.setenv("PIPELINE_TRACKING", "OFF")
-    assert track.tracking_off()
+    assert store.tracking_off()
     monkeypatch.setenv("PIPELINE_TRACKING", "no")
     with pytest.raises(config.UserError, match="PIPELINE_TRACKING must be 'on' or 'off'"):
-        track.tracking_off()
+        store.tracking_off()

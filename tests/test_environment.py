@@ -10,7 +10,8 @@ import pytest
 
 from pipelines import verify
 from stages import prepare_data
-from stages.common import config, environment, stage, track
+from stages.common import config, environment, stage
+from stages.common.tracking import runs
 
 ROOT = Path(__file__).resolve().parent.parent
 GNN = "pipelines/packages/gnn.txt"
@@ -90,13 +91,13 @@ def test_a_stage_that_opens_its_run_itself_tags_it_too(workdir, monkeypatch):
     monkeypatch.setenv("PIPELINE_TRACKING", "off")
     monkeypatch.setenv("PIPELINE_ENVIRONMENT", "any")
     install(monkeypatch, xxhash="4.0.0")
-    opened, start_run = [], track.start_run
+    opened, start_run = [], runs.start_run
 
     def recording(section, params, inputs_hash, rt, tags=None):
         opened.append(tags)
         return start_run(section, params, inputs_hash, rt, tags=tags)
 
-    monkeypatch.setattr(track, "start_run", recording)
+    monkeypatch.setattr(runs, "start_run", recording)
     prepare_data.main(["--output", "out", "instructions=none", "graphs=[]"])
     assert opened == [{"environment": "PIPELINE_ENVIRONMENT=any: xxhash 4.1.0 recorded, 4.0.0 installed"}]
 

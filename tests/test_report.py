@@ -244,7 +244,7 @@ def test_perplexities_regress_against_the_record_of_the_same_params(tree, monkey
         "report:\n  strict: false\n  recorded: recorded.yaml\n  regression_tolerance: 0.02\npretrain:\n  steps: 10\n"
     )
     eval_metrics(tree, "pretrain", {"pretrain": {64: 100.0, 128: 120.0}})
-    monkeypatch.setattr(record.track, "git_commit", lambda: "c0ffee" * 7)
+    monkeypatch.setattr(record.provenance, "git_commit", lambda: "c0ffee" * 7)
     entry = record.record(tree / "params.yaml", tree / "data", tree / "recorded.yaml", preset="test")
     assert entry["perplexity"] == {"eval_perplexity/pretrain": {"pretrain": {64: 100.0, 128: 120.0}}}
     # A later run: one perplexity moved 1% (passes), one 5% (fails), one recorded context is missing.

@@ -385,10 +385,10 @@ def test_a_resume_across_code_travels_with_the_checkpoints_it_wrote(tmp_path, mo
 def test_an_unreachable_tracking_server_is_one_clear_error(tmp_path):
     """MLflow's client retries an unreachable server for minutes; a stage asks once and stops with the URI."""
     code = (
-        "from stages.common import config, runtime, track\n"
+        "from stages.common import config, runtime\nfrom stages.common.tracking import runs\n"
         "rt = runtime.Runtime(0, 1, 0, 1, None)\n"
         "try:\n"
-        "    with track.start_run('probe', {}, '', rt): print('tracked')\n"
+        "    with runs.start_run('probe', {}, '', rt): print('tracked')\n"
         "except config.UserError as e: print('error:', e)\n"
     )
     env = {
@@ -407,24 +407,24 @@ def test_an_unreachable_tracking_server_is_one_clear_error(tmp_path):
 def test_a_run_left_running_by_sigkill_is_marked_killed_on_the_next_start(tmp_path, monkeypatch):
     import mlflow
 
-    from stages.common import track
+    from stages.common.tracking import runs, store
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     code = (
-        "import os, signal\nfrom stages.common import runtime, track\n"
-        "with track.start_run('probe', {}, '', runtime.Runtime(0, 1, 0, 1, None)):\n"
+        "import os, signal\nfrom stages.common import runtime\nfrom stages.common.tracking import runs\n"
+        "with runs.start_run('probe', {}, '', runtime.Runtime(0, 1, 0, 1, None)):\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": uri}
     env.pop("PIPELINE_RUN_ID", None)
     assert subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env).returncode == -signal.SIGKILL
     client = mlflow.MlflowClient(uri)
-    (killed,) = client.search_runs([client.get_experiment_by_name(track.EXPERIMENT).experiment_id])
+    (killed,) = client.search_runs([client.get_experiment_by_name(store.EXPERIMENT).experiment_id])
     assert killed.info.status == "RUNNING", "SIGKILL left it open"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.delenv("PIPELINE_RUN_ID", raising=False)
     monkeypatch.chdir(tmp_path)
-    with track.start_run("probe", {}, "", runtime.Runtime(0, 1, 0, 1, None)):
+    with runs.start_run("probe", {}, "", runtime.Runtime(0, 1, 0, 1, None)):
         assert client.get_run(killed.info.run_id).info.status == "KILLED"
     assert client.get_run(killed.info.run_id).data.tags["stopped_by"].startswith("killed")
 
@@ -434,16 +434,17 @@ def test_stages_opening_a_new_mlflow_store_at_once_all_track(tmp_path):
     it at the same moment (as stages started together on a fresh checkout do): each gets its client and
     the one experiment, none fails making the store's tables, and the killed one's work folder is gone."""
     killed = (
-        "import os\nfrom pathlib import Path\nfrom mlflow.store.db import utils\nfrom stages.common import track\n"
+        "import os\nfrom pathlib import Path\nfrom mlflow.store.db import utils\n"
+        "from stages.common.tracking import store\n"
         "utils._upgrade_db = lambda engine: os._exit(9)  # killed after the first tables, before the rest\n"
-        "track.experiment(Path.cwd())\n"
+        "store.experiment(Path.cwd())\n"
     )
     code = (
-        "import sys, time\nfrom pathlib import Path\nfrom stages.common import track\n"
+        "import sys, time\nfrom pathlib import Path\nfrom stages.common.tracking import store\n"
         "import mlflow.store.tracking.sqlalchemy_store  # (imported before the start: they open together)\n"
         "Path(f'ready-{sys.argv[1]}').touch()\n"
         "while not Path('go').exists():\n    time.sleep(0.01)\n"
-        "client, experiment_id = track.experiment(Path.cwd())\nprint(experiment_id)\n"
+        "client, experiment_id = store.experiment(Path.cwd())\nprint(experiment_id)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     maker = subprocess.run([sys.executable, "-c", killed], cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -470,7 +471,8 @@ def test_a_pipeline_parent_run_ends_with_the_worst_status_of_its_stages(tmp_path
     stopped stage, then FAILED after a failed one; a stage finishing later changes none of that."""
     import mlflow
 
-    from stages.common import runtime, track
+    from stages.common import runtime
+    from stages.common.tracking import runs
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -480,7 +482,7 @@ def test_a_pipeline_parent_run_ends_with_the_worst_status_of_its_stages(tmp_path
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
 
     def stage(name, error=None):
-        with contextlib.suppress(type(error) if error else ()), track.start_run(name, {}, "", rt):
+        with contextlib.suppress(type(error) if error else ()), runs.start_run(name, {}, "", rt):
             if error:
                 raise error
         parent = client.search_runs(
@@ -530,7 +532,7 @@ def test_a_stage_failing_before_its_run_opens_marks_its_pipeline_failed(tmp_path
 
 
 def test_git_commit_is_dirty_for_changed_code_not_for_dvc_lock(tmp_path):
-    from stages.common import track
+    from stages.common import provenance
 
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
     (tmp_path / "stage.py").write_text("x = 1\n")
@@ -538,12 +540,12 @@ def test_git_commit_is_dirty_for_changed_code_not_for_dvc_lock(tmp_path):
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     subprocess.run([*git, "add", "-A"], cwd=tmp_path, check=True)
     subprocess.run([*git, "commit", "-qm", "init"], cwd=tmp_path, check=True)
-    head = track.git_commit(tmp_path)
+    head = provenance.git_commit(tmp_path)
     assert len(head) == 40
     (tmp_path / "dvc.lock").write_text("schema: '2.0'\nstages: {}\n")  # the pipeline recording its stages
-    assert track.git_commit(tmp_path) == head
+    assert provenance.git_commit(tmp_path) == head
     (tmp_path / "stage.py").write_text("x = 2\n")
-    assert track.git_commit(tmp_path) == head + "-dirty"
+    assert provenance.git_commit(tmp_path) == head + "-dirty"
 
 
 def test_the_hang_limit_is_a_floor_or_ten_median_steps():

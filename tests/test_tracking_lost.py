@@ -7,7 +7,7 @@ A real `mlflow server` behind a TCP proxy that the test switches (Proxy), in mak
   - `hang` until after the stage ended, its system metrics on (MLflow's monitor thread blocked in a
     request): the stage publishes its outputs and exits 0 within PIPELINE_TRACKING_FLUSH_S (plus
     END_MARGIN_S) of publishing them, naming the file that keeps its records; `python -m
-    stages.common.track resend` sends them once the server is back: every step, the artifacts, the model
+    stages.common.tracking.journal resend` sends them once the server is back: every step, the artifacts, the model
     version it could not register, the run FINISHED.
 In make test, on the SQLite store: what a killed stage kept is sent once, from where it stopped.
 """
@@ -223,7 +223,11 @@ def test_a_server_lost_until_the_end_gets_the_records_later(tokenized, server):
     proxy.set("pass")
     env = stage_env(tokenized, MLFLOW_TRACKING_URI=f"http://127.0.0.1:{proxy.port}")
     sent = subprocess.run(
-        [sys.executable, "-m", "stages.common.track", "resend"], cwd=tokenized, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "stages.common.tracking.journal", "resend"],
+        cwd=tokenized,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert sent.returncode == 0 and f"kept in {kept}" in sent.stderr, sent.stdout + sent.stderr
     assert steps_logged(client, run.info.run_id) == list(range(1, 201))
@@ -244,7 +248,9 @@ def test_kept_records_are_sent_once_from_where_their_writer_stopped(tmp_path, mo
 
     import mlflow
 
-    from stages.common import registry, runtime, track
+    from stages.common import registry, runtime
+    from stages.common.config import UserError
+    from stages.common.tracking import journal, runs
 
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -253,20 +259,20 @@ def test_kept_records_are_sent_once_from_where_their_writer_stopped(tmp_path, mo
     (tmp_path / "model").mkdir()
     (tmp_path / "model/weights.bin").write_bytes(b"\0" * 64)
     record = registry.version_record("tiny", tmp_path / "model", {"lineage": "x"}, "a model")
-    with track.start_run("probe", {}, "", runtime.Runtime(0, 1, 0, 1, None)) as tracker:
-        tracker.sender.put({"kind": "register", **record})
-        tracker.sender.put({"kind": "register", **record})  # (as a resend after a kill would)
+    with runs.start_run("probe", {}, "", runtime.Runtime(0, 1, 0, 1, None)) as tracker:
+        tracker.register(record)
+        tracker.register(record)  # (as a resend after a kill would)
         run_id = tracker.run_id
     client = mlflow.MlflowClient(uri)
     assert len(client.search_model_versions("name = 'tiny'")) == 1
-    assert not (tmp_path / track.UNSENT).exists(), "a stage whose records all went out leaves no file"
+    assert not (tmp_path / journal.UNSENT).exists(), "a stage whose records all went out leaves no file"
 
     # A file as a killed writer leaves it (its lines signed as a stage signs them): `a` sent and marked, `b`
     # not, then half a line.
-    kept = tmp_path / track.UNSENT / f"{run_id}.jsonl"
+    kept = tmp_path / journal.UNSENT / f"{run_id}.jsonl"
     kept.parent.mkdir(parents=True)
     root = runtime.workspace()
-    seal = track.Seal(track.journal_key(root), run_id, root)
+    seal = journal.Seal(journal.journal_key(root), run_id, root)
     lines = [{"kind": "header", "run_id": run_id, "uri": uri, "root": str(root)}]
     lines += [{"kind": "metrics", "values": {"a": 1.0}, "step": 1, "time": 1}]
     head = b"".join(map(seal.line, lines))
@@ -274,11 +280,11 @@ def test_kept_records_are_sent_once_from_where_their_writer_stopped(tmp_path, mo
     kept.write_bytes(head + b"".join(map(seal.line, lines)) + b'{"kind": "metr')
     with open(kept, "rb") as live:  # its writer still running: not a leftover
         fcntl.flock(live, fcntl.LOCK_EX)
-        assert track.leftover_files(tmp_path, uri) == []
-        with pytest.raises(track.UserError, match="being written by a running stage"):
-            track.resend(kept)
-    assert track.leftover_files(tmp_path, uri) == [kept]
-    assert track.resend(kept) == 1 and not kept.exists()
+        assert journal.leftover_files(tmp_path, uri) == []
+        with pytest.raises(UserError, match="being written by a running stage"):
+            journal.resend(kept)
+    assert journal.leftover_files(tmp_path, uri) == [kept]
+    assert journal.resend(kept) == 1 and not kept.exists()
     metrics = client.get_run(run_id).data.metrics
     assert metrics.get("b") == 2.0 and "a" not in metrics
 
@@ -289,7 +295,10 @@ def test_the_end_of_a_stage_waits_the_flush_time_in_all_whatever_mlflow_is_block
     PIPELINE_TRACKING_FLUSH_S, not one flush time for each wait; the records stay in the unsent file."""
     import json
 
-    from stages.common import runtime, track
+    from stages.common import runtime
+    from stages.common.tracking import runs
+    from stages.common.tracking.sender import HTTP_DEFAULTS, Sender
+    from stages.common.tracking.tracker import RunTracker
 
     hung = threading.Event()  # set when the test ends: the blocked threads return
 
@@ -310,13 +319,13 @@ def test_the_end_of_a_stage_waits_the_flush_time_in_all_whatever_mlflow_is_block
     flush_s = 2.0
     monkeypatch.setenv("PIPELINE_TRACKING_FLUSH_S", str(flush_s))
     monkeypatch.setenv("PIPELINE_SYSTEM_METRICS", "on")
-    for key, value in track.HTTP_DEFAULTS.items():  # (node_metrics sets them in the environment)
+    for key, value in HTTP_DEFAULTS.items():  # (node_metrics sets them in the environment)
         monkeypatch.setenv(key, value)
     monkeypatch.setattr("mlflow.system_metrics.system_metrics_monitor.SystemMetricsMonitor", HungMonitor)
-    sender = track.Sender(HungClient(), "r1", "http://127.0.0.1:9", tmp_path, {})
-    tracker = track.Tracker("r1", sender)
+    sender = Sender(HungClient(), "r1", "http://127.0.0.1:9", tmp_path, {})
+    tracker = RunTracker("r1", sender)
     try:
-        with track.node_metrics(tracker, runtime.Runtime(0, 1, 0, 1, None)):
+        with runs.node_metrics(tracker, runtime.Runtime(0, 1, 0, 1, None)):
             tracker.log_metrics({"loss": 1.0}, step=1)  # its request never answered
             ending = time.monotonic()
             assert not tracker.flush(flush_s)  # (stage.register_models)

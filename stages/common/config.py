@@ -251,3 +251,14 @@ def as_dict(cfg) -> dict:
         return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
     return plain(dataclasses.asdict(cfg))
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}: a params section or a metrics record as MLflow's flat keys."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

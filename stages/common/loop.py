@@ -303,7 +303,7 @@ def train(
         rt.rank,
         rt.world_size,
         cfg.hang_timeout_s,
-        on_hang=getattr(tracker, "fail_from_thread", None),
+        on_hang=tracker.fail_from_thread,
         store=watchdog.default_store(),
     )
     # (without periodic checkpoints the only one is a stop's, which is synchronous)

@@ -9,6 +9,9 @@ Snakemake re-run a stage for is what its checkpoints and records name:
     code_digest("stages.pretrain")  {"sha256": <of the files' hashes>, "files": {path: sha256}}
     packages("stages.pretrain")     {"torch": "2.13.0", "transformers": ..., ...}: the installed
                                     versions of the distributions the stage's modules import
+
+Every MLflow run is also tagged with the commit of the code (git_commit) and carries the whole
+environment (pip_freeze) as an artifact.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import subprocess
 from pathlib import Path
 
 CODE_ROOT = Path(__file__).resolve().parents[2]
@@ -83,3 +87,33 @@ def changed_files(old: dict, new: dict) -> list[str]:
     """The files whose hashes differ between two code_digest records (added and removed ones too)."""
     a, b = old.get("files", {}), new.get("files", {})
     return sorted(p for p in set(a) | set(b) if a.get(p) != b.get(p))
+
+
+def git_commit(root: Path | None = None) -> str:
+    """The commit of the code (HEAD of the repository holding this package), with '-dirty' when tracked
+    files differ from it (dvc.lock aside: the pipeline itself rewrites it as stages finish); 'unknown'
+    outside git."""
+    cwd = str(root or CODE_ROOT)
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    changed = [line[3:] for line in dirty.stdout.splitlines() if line[3:] != "dvc.lock"]
+    return head.stdout.strip() + ("-dirty" if changed else "")
+
+
+def pip_freeze() -> str:
+    """The installed distributions, in `pip freeze` format (without spawning pip)."""
+    seen = {}
+    for d in importlib.metadata.distributions():
+        name = d.metadata["Name"]
+        if name and name.lower() not in seen:
+            seen[name.lower()] = f"{name}=={d.version}"
+    return "\n".join(sorted(seen.values(), key=str.lower)) + "\n"

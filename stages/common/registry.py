@@ -27,7 +27,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from stages.common import atomic, config, digest, track
+from stages.common import atomic, config, digest, provenance
+from stages.common.tracking import store
 
 ALIAS = "reproduced"
 
@@ -66,7 +67,7 @@ def tag_key(text: str) -> str:
 def lineage(output: Path, inputs: list[Path], section: dict, inputs_hash: str) -> dict:
     """The lineage tags shared by the models a stage published in `output` (see the module docstring)."""
     return {
-        "git_commit": track.git_commit(),
+        "git_commit": provenance.git_commit(),
         "output": str(output),
         "output_dvc_md5": dvc_md5(output),
         "params_sha256": params_sha256(section),
@@ -80,7 +81,7 @@ def version_record(name: str, folder: Path, tags: dict, description: str) -> dic
     stage's lineage) with its own `dvc_md5`, taken now, and the registered model's description."""
     folder = Path(folder).resolve()
     tags = {**tags, "dvc_md5": dvc_md5(folder)}
-    content = digest.hash_files([folder])  # (checked before a later send registers it: track.Sender)
+    content = digest.hash_files([folder])  # (checked again before a later send registers it: tracking.records)
     return {"name": name, "folder": str(folder), "tags": tags, "description": description, "content": content}
 
 
@@ -89,7 +90,7 @@ def versions_with(name: str, key: str, value: str) -> list:
     from mlflow.exceptions import MlflowException
 
     try:
-        found = track.open_client().search_model_versions(f"name = '{name}' and tags.`{key}` = '{value}'")
+        found = store.open_client().search_model_versions(f"name = '{name}' and tags.`{key}` = '{value}'")
     except MlflowException as e:
         if e.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
@@ -101,7 +102,7 @@ def is_registered(name: str) -> bool:
     from mlflow.exceptions import MlflowException
 
     try:
-        track.open_client().get_registered_model(name)
+        store.open_client().get_registered_model(name)
     except MlflowException as e:
         if e.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
@@ -110,7 +111,7 @@ def is_registered(name: str) -> bool:
 
 
 def set_alias(name: str, version: int, alias: str = ALIAS) -> None:
-    track.open_client().set_registered_model_alias(name, alias, str(version))
+    store.open_client().set_registered_model_alias(name, alias, str(version))
 
 
 def is_uri(text: str) -> bool:
@@ -127,15 +128,15 @@ def resolve(uri: str) -> tuple[Path, str]:
     name, at, alias = ref.partition("@")
     if not at:
         name, _, number = ref.rpartition("/")
-    where = f"{uri} (registry {track.tracking_uri()})"
+    where = f"{uri} (registry {store.tracking_uri()})"
     if not name or not (alias if at else number.isdigit()):
         raise config.UserError(f"{uri}: write a registered model as models:/<name>@<alias> or models:/<name>/<version>")
-    problem = track.server_problem(track.tracking_uri())
+    problem = store.server_problem(store.tracking_uri())
     if problem:
         raise config.UserError(
             f"{where}: the tracking server does not answer ({problem}); start it or fix MLFLOW_TRACKING_URI"
         )
-    client = track.open_client()
+    client = store.open_client()
     try:
         version = client.get_model_version_by_alias(name, alias) if at else client.get_model_version(name, number)
     except MlflowException as e:
@@ -150,7 +151,7 @@ def resolve(uri: str) -> tuple[Path, str]:
     if source.startswith("runs:/"):  # the artifact of a run: where that run keeps its artifacts
         run_id, _, path = source.removeprefix("runs:/").partition("/")
         source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{path}"
-    local = track.local_path(source)
+    local = store.local_path(source)
     if local is None or not local.is_dir():
         local = download(source, name, int(version.version))
     return local, f"models:/{name}/{version.version}"
@@ -167,7 +168,7 @@ def download(source: str, name: str, version: int) -> Path:
     if not dest.is_dir():
         with atomic.scratch(dest) as tmp:  # (a download killed half-way: removed by the next one)
             # (the artifact lands under its own name in the folder given: tmp/model/config.json ...)
-            uri = track.tracking_uri()
+            uri = store.tracking_uri()
             got = Path(mlflow.artifacts.download_artifacts(source, dst_path=str(tmp), tracking_uri=uri))
             try:
                 got.rename(dest)

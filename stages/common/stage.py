@@ -36,7 +36,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stages.common import atomic, ckpt, config, contract, digest, environment, provenance, registry, runtime, track
+from stages.common import atomic, ckpt, config, contract, digest, environment, provenance, registry, runtime
+from stages.common.tracking import runs
+from stages.common.tracking.sender import flush_s
 
 REFUSAL_GRACE_S = 10.0  # how long a rank other than 0 that refused its input waits for rank 0 to say why
 if TYPE_CHECKING:  # (the training stack is the training stages' own import)
@@ -169,11 +171,11 @@ def record_tags(section: str) -> dict:
 def tracked(section: str, cfg, inputs, rt: runtime.Runtime, tags: dict | None = None):
     """The stage's MLflow run (params: its whole section), tagged with the content hash of `inputs` (paths,
     or their hash from `inputs_hash`) and the stage's record_tags. Every rank enters it; rank 0 logs, and
-    the first process of each node its system metrics (track.node_metrics). Yields (tracker, inputs hash)."""
+    the first process of each node its system metrics (runs.node_metrics). Yields (tracker, inputs hash)."""
     digest = inputs if isinstance(inputs, str) else inputs_hash(inputs, rt)
     tags = {**record_tags(section), **(tags or {})}
-    with track.start_run(section, config.as_dict(cfg), digest, rt, tags=tags) as tracker:
-        with track.node_metrics(tracker, rt):
+    with runs.start_run(section, config.as_dict(cfg), digest, rt, tags=tags) as tracker:
+        with runs.node_metrics(tracker, rt):
             yield tracker, digest
 
 
@@ -324,8 +326,8 @@ def register_models(tracker, section: str, cfg, models: dict, output, inputs: li
         # Registered by the run's sender, after its other records (never waiting on the server here):
         # waited for at most PIPELINE_TRACKING_FLUSH_S; with the server lost they are kept with the rest.
         for record in records:
-            tracker.sender.put({"kind": "register", **record})
-        if not tracker.flush(track.flush_s()):
+            tracker.register(record)
+        if not tracker.flush(flush_s()):
             print(
                 f"{section}: the MLflow server does not take records ({tracker.lost or 'still sending'}); "
                 "the model version(s) are registered when the run's kept records are sent",
