@@ -66,7 +66,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages.common import atomic, config, hf_folder, registry, runtime, shards, stage, watchdog, wikitext
+from stages.common import atomic, config, faults, hf_folder, registry, runtime, shards, stage, watchdog, wikitext
 from stages.common.tracking.tracker import Tracker
 
 STAGE = "eval_perplexity"
@@ -402,7 +402,7 @@ def evaluate(
     for i, batch in enumerate(mine_batches):
         started = time.perf_counter()
         if watch is not None:
-            watchdog.injected_stall(rt.rank, watch.done)
+            faults.injected_stall(rt.rank, watch.done)
             watch.beat(where=f"in batch {i + 1} of {len(mine_batches)} ({what})")
         length, first = batch[0][1], min(w[2] for w in batch)
         keep = length - first  # only these positions' logits are needed

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from stages.common import atomic, ckpt, config, hf_folder, loop, runtime, shards, stage, train_config
+from stages.common.stagerun import StageRun
 from stages.common.tracking.tracker import Tracker
 
 STAGE = "extend_context"
@@ -217,13 +218,13 @@ class PrefixedTracker:
         return self.tracker.end(status)
 
 
-def finetune(
-    name: str, model_config, base: Path, data: Path, cfg: Config, context: int, folder: Path, rt, tracker, stop
-) -> dict:
-    """Fine-tune one variant at s x L (context tokens); its final weights end in <folder>/final/ (HF
-    format), kept until the stage publishes, so a re-run after a crash skips a finished variant."""
+def finetune(name: str, model_config, base: Path, data: Path, context: int, run: StageRun) -> dict:
+    """Fine-tune one variant at s x L (context tokens) in the run's checkpoint folder (held); its final
+    weights end in <folder>/final/ (HF format), kept until the stage publishes, so a re-run after a crash
+    skips a finished variant."""
     from transformers import AutoModelForCausalLM
 
+    cfg, rt, folder = run.cfg, run.rt, run.folder.path
     final = folder / "final"
     if final.is_dir():
         runtime.print0(f"extend_context: {name} already fine-tuned in {final}", rt=rt)
@@ -232,8 +233,7 @@ def finetune(
     # fp32 master weights everywhere; on GPU the loop computes in bf16 under autocast.
     model = AutoModelForCausalLM.from_pretrained(base, config=model_config, dtype=torch.float32, use_safetensors=True)
     train_tokens, val_tokens = shards.open_stream(data, "train"), shards.open_stream(data, "val")
-    variant_tracker = PrefixedTracker(tracker, name)
-    result = loop.fit(model, train_tokens, val_tokens, cfg.train, context, rt, folder, variant_tracker, stop)
+    result = loop.fit(model, train_tokens, val_tokens, cfg.train, context, run, PrefixedTracker(run.tracker, name))
     state = loop.full_state_dict(result.model, rt)
     del result.model, model
     gc.collect()
@@ -350,31 +350,28 @@ def run(
 ) -> dict:
     """Fine-tune the variants in `finetune`, then publish every variant. Wrapped models live only in here."""
     context = int(round(cfg.factor * original))
-    digest = stage.inputs_hash([base, data], rt)
+    run = StageRun(STAGE, cfg, rt, stop, stage.inputs_hash([base, data], rt))
     summaries, finals = {}, {}
-    with stage.tracked(STAGE, cfg, digest, rt, tags={"base": str(base)}) as (tracker, _):
+    with run.tracked(tags={"base": str(base)}):
         for name in cfg.finetune:
             runtime.print0(f"extend_context: fine-tuning {name} at context {context}", rt=rt)
-            with stage.checkpoints(STAGE, cfg, digest, rt, variant=name) as folder:
-                summaries[name] = finetune(name, configs[name], base, data, cfg, context, folder, rt, tracker, stop)
-            finals[name] = folder / "final"
-        meta = stage.publish(
-            output, rt, lambda tmp: write_outputs(tmp, base, configs, summaries, finals, cfg, original, rt.device)
+            with run.checkpoints(variant=name) as folder:
+                summaries[name] = finetune(name, configs[name], base, data, context, run)
+            finals[name] = folder.path / "final"
+        meta = run.publish(
+            output, lambda tmp: write_outputs(tmp, base, configs, summaries, finals, cfg, original, rt.device)
         )
-        if rt.is_main:
-            final_metrics = config.flatten(stage.read_figures(output))
-            tracker.log_metrics({k: v for k, v in final_metrics.items() if v is not None})
-            speed = {f"{n}-ft": {"tokens_per_s": s["tokens_per_s"]} for n, s in summaries.items()}
-            stage.write_measured(measured, output, speed)
-            tracker.log_metrics(config.flatten(speed))
-            tracker.log_artifact(measured)
-            tracker.log_artifact(output / "meta.json")
-            if summaries:
-                tracker.log_artifact(output / "plots", "plots")
-            variants = {name: output / "model" / name for name in meta["variants"]}
-            stage.register_models(tracker, STAGE, cfg, variants, output, [base, data], digest)
-            for final in finals.values():  # published: the fine-tunes' checkpoints are spent
-                ckpt.discard(final.parent)
+        speed = {f"{n}-ft": {"tokens_per_s": s["tokens_per_s"]} for n, s in summaries.items()}
+        final_metrics = config.flatten(stage.read_figures(output)) if rt.is_main else {}
+        run.spent.extend(final.parent for final in finals.values())  # published: the fine-tunes' checkpoints
+        run.finish(
+            output,
+            measured=(measured, speed),
+            metrics={**{k: v for k, v in final_metrics.items() if v is not None}, **config.flatten(speed)},
+            artifacts=(output / "meta.json", *(((output / "plots", "plots"),) if summaries else ())),
+            models={name: output / "model" / name for name in meta["variants"]},
+            inputs=(base, data),
+        )
     runtime.print0(
         f"extend_context: {len(meta['variants'])} variants for context {context} "
         f"(L = {original}, s = {cfg.factor:g}) -> {output}/model",

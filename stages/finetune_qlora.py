@@ -48,7 +48,8 @@ from pathlib import Path
 
 import torch
 
-from stages.common import atomic, ckpt, config, hf_folder, instructions, loop, runtime, stage, train_config
+from stages.common import atomic, config, hf_folder, instructions, loop, runtime, stage, train_config
+from stages.common.stagerun import StageRun
 from stages.models import llama
 
 STAGE = "finetune_qlora"
@@ -374,11 +375,9 @@ def run(
     )
     steps = cfg.train.steps
     digest = stage.inputs_hash([records_path, Path(cfg.base)] if Path(cfg.base).exists() else [records_path], rt)
-    with (
-        stage.checkpoints(STAGE, cfg, digest, rt) as folder,
-        stage.tracked(STAGE, cfg, digest, rt, tags={"checkpoints": str(folder)}) as (tracker, _),
-    ):
-        result = loop.fit(model, train_src, eval_src, train_cfg, cfg.seq_length, rt, folder, tracker, stop)
+    run = StageRun(STAGE, cfg, rt, stop, digest)
+    with run.checkpoints() as folder, run.tracked() as tracker:
+        result = loop.fit(model, train_src, eval_src, train_cfg, cfg.seq_length, run)
         hist = result.history
         if hist["val_step"] and hist["val_step"][-1] == steps:
             eval_loss = hist["val_loss"][-1]
@@ -425,16 +424,15 @@ def run(
             atomic.write_json(tmp / "meta.json", meta)
             write_plots(tmp, hist, cfg)
 
-        stage.publish(output, rt, write)
-        if rt.is_main:
-            stage.write_measured(measured, output, speed)
-            tracker.log_artifact(measured)
-            tracker.log_artifact(output / "plots/loss.png", "plots")
-            tracker.log_artifact(output / "figures.json")
-            tracker.log_artifact(output / "adapter", "adapter")
-            inputs = [records_path, Path(cfg.base)]
-            stage.register_models(tracker, STAGE, cfg, {cfg.quantization: output / "model"}, output, inputs, digest)
-            ckpt.discard(folder)  # the run is complete; its checkpoints are spent
+        run.publish(output, write)
+        run.spent.append(folder.path)  # the run is complete; its checkpoints are spent
+        run.finish(
+            output,
+            measured=(measured, speed),
+            artifacts=((output / "plots/loss.png", "plots"), output / "figures.json", (output / "adapter", "adapter")),
+            models={cfg.quantization: output / "model"},
+            inputs=(records_path, Path(cfg.base)),
+        )
     runtime.print0(
         f"finetune_qlora ({cfg.quantization}): eval loss {eval_loss:.4f}, peak memory {peak:.0f} MiB, linear "
         f"weights {metrics['linear_weight_mb']:.2f} MiB ({metrics['linear_weight_bits_per_weight']:.2f} bits/weight) "

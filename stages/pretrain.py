@@ -30,7 +30,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.common import atomic, ckpt, config, loop, runtime, shards, stage, train_config
+from stages.common import atomic, config, loop, runtime, shards, stage, train_config
+from stages.common.stagerun import StageRun
 
 STAGE = "pretrain"
 
@@ -169,26 +170,20 @@ def run(
     model = build_model(cfg.model, meta_in)
     # memory-mapped: each process holds the pages its windows read, not the split
     train_tokens, val_tokens = shards.open_stream(inp, "train"), shards.open_stream(inp, "val")
-    digest = stage.inputs_hash([inp], rt)
-    with (
-        stage.checkpoints(STAGE, cfg, digest, rt) as folder,
-        stage.tracked(STAGE, cfg, digest, rt, tags={"checkpoints": str(folder)}) as (tracker, _),
-    ):
-        result = loop.fit(model, train_tokens, val_tokens, cfg.train, cfg.context_length, rt, folder, tracker, stop)
+    run = StageRun(STAGE, cfg, rt, stop, stage.inputs_hash([inp], rt))
+    with run.checkpoints() as folder, run.tracked():
+        result = loop.fit(model, train_tokens, val_tokens, cfg.train, cfg.context_length, run)
         model_sd = loop.full_state_dict(result.model, rt)
-        meta = stage.publish(output, rt, lambda tmp: save_outputs(tmp, model_sd, cfg, meta_in, inp, result))
-        if rt.is_main:
-            speed = {
-                "tokens_per_s": result.tokens_per_s,
-                "mfu": result.mfu,
-                "tokens_per_cpu_s": result.tokens_per_cpu_s,
-            }
-            stage.write_measured(measured, output, speed)
-            tracker.log_artifact(measured)
-            tracker.log_artifact(output / "plots/loss.png", "plots")
-            tracker.log_artifact(output / "meta.json")
-            stage.register_models(tracker, STAGE, cfg, {None: output / "model"}, output, [inp], digest)
-            ckpt.discard(folder)  # the run is complete; its checkpoints are spent
+        meta = run.publish(output, lambda tmp: save_outputs(tmp, model_sd, cfg, meta_in, inp, result))
+        speed = {"tokens_per_s": result.tokens_per_s, "mfu": result.mfu, "tokens_per_cpu_s": result.tokens_per_cpu_s}
+        run.spent.append(folder.path)  # the run is complete; its checkpoints are spent
+        run.finish(
+            output,
+            measured=(measured, speed),
+            artifacts=((output / "plots/loss.png", "plots"), output / "meta.json"),
+            models={None: output / "model"},
+            inputs=(inp,),
+        )
     val = meta["final_val_loss"]
     runtime.print0(
         f"pretrain: {meta['parameters'] / 1e6:.2f}M parameters, {meta['step']} steps, train loss "

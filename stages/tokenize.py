@@ -454,9 +454,9 @@ def run(cfg: Config, inp: Path, output: Path, measured: Path, rt: runtime.Runtim
         stage.checkpoints(STAGE, cfg, digest, rt, **key) as work,
         stage.tracked(STAGE, cfg, digest, rt) as (tracker, _),
     ):
-        meta = tokenize(cfg, inp, output, measured, rt, tracker, work)
+        meta = tokenize(cfg, inp, output, measured, rt, tracker, work.path)
         if rt.is_main:
-            ckpt.discard(work)
+            ckpt.discard(work.path)
     runtime.print0(
         "tokenize: "
         + ", ".join(f"{s} {d['tokens']:,} tokens" for s, d in meta["splits"].items())

@@ -343,7 +343,7 @@ def test_a_resume_across_code_travels_with_the_checkpoints_it_wrote(tmp_path, mo
 
     import torch
 
-    from stages.common import stage
+    from stages.common.stagerun import StageRun
 
     @dataclasses.dataclass(frozen=True)
     class Params:
@@ -358,28 +358,75 @@ def test_a_resume_across_code_travels_with_the_checkpoints_it_wrote(tmp_path, mo
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters())
 
-    def train_to(step: int) -> None:  # a run's save of `step`, the older checkpoints pruned
-        ckpt.Checkpointer(folder, every=1, steps=10, rt=rt, keep=1).save(ckpt.TrainState(step), model, optimizer)
+    def train_to(run: StageRun, step: int) -> None:  # a run's save of `step`, the older checkpoints pruned
+        saver = ckpt.Checkpointer(run.folder.path, every=1, steps=10, rt=rt, keep=1, writer=run.folder.writer)
+        saver.save(ckpt.TrainState(step), model, optimizer)
 
     monkeypatch.setenv("PIPELINE_RESUME", "across-code")
-    with stage.checkpoints("pretrain", Params(), "inputs", rt):
-        across = stage.RESUMED_ACROSS_CODE["pretrain"]
-        assert (
-            across.startswith("code 000000000000, torch") and stage.record_tags("pretrain")[ckpt.ACROSS_CODE] == across
-        )
-        train_to(4)
+    run = StageRun("pretrain", Params(), rt, runtime.StopFlag(), "inputs")
+    with run.checkpoints():
+        across = run.across_code
+        assert across.startswith("code 000000000000, torch") and run.folder.across_code == across
+        train_to(run, 4)
     assert [p.name for p in ckpt.checkpoints(folder)] == ["step-4"]
     assert ckpt.read_writer(folder / "step-4")[ckpt.ACROSS_CODE] == across
     monkeypatch.delenv("PIPELINE_RESUME")
     for step in (6, 8):  # stopped and re-run, twice, with no opt-in
-        with stage.checkpoints("pretrain", Params(), "inputs", rt):
-            assert stage.record_tags("pretrain")[ckpt.ACROSS_CODE] == across, step
-            train_to(step)
+        run = StageRun("pretrain", Params(), rt, runtime.StopFlag(), "inputs")
+        with run.checkpoints():
+            assert run.across_code == across, step
+            train_to(run, step)
         assert ckpt.read_writer(folder / f"step-{step}")[ckpt.ACROSS_CODE] == across
     monkeypatch.setenv("PIPELINE_RESUME", "fresh")
-    with stage.checkpoints("pretrain", Params(), "inputs", rt):
-        assert ckpt.ACROSS_CODE not in stage.record_tags("pretrain") and not ckpt.checkpoints(folder)
+    run = StageRun("pretrain", Params(), rt, runtime.StopFlag(), "inputs")
+    with run.checkpoints():
+        assert run.across_code is None and ckpt.ACROSS_CODE not in run.folder.writer and not ckpt.checkpoints(folder)
     assert "checkpoints resumed across code set aside in" in capsys.readouterr().out
+
+
+def test_a_resume_across_code_is_tagged_on_the_run_and_its_models_whichever_opens_first(tmp_path, monkeypatch):
+    """A stage that opens its MLflow run before its checkpoint folders (extend_context: one run, a folder per
+    fine-tuned variant) learns of a resume across a change only once a folder opens: the run is tagged then,
+    as it is when the folder opens first (pretrain, finetune_qlora), and so are the models it registers."""
+    import dataclasses
+    import functools
+
+    import mlflow
+    import torch
+
+    from stages.common.stagerun import StageRun
+
+    @dataclasses.dataclass(frozen=True)
+    class Params:
+        lr: float = 0.1
+
+    rt = runtime.init()
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("PIPELINE_TRACKING", "on")
+    monkeypatch.setenv("PIPELINE_RESUME", "across-code")
+    monkeypatch.setattr(ckpt, "CHECKPOINT_ROOT", tmp_path / "ckpts")
+    other = {**ckpt.writer_record("stages.extend_context"), "code_sha256": "0" * 64}
+    model = tmp_path / "out/model"
+    model.mkdir(parents=True)
+    torch.save({}, tmp_path / "out/weights.pt")  # (an out to record lineage of)
+    (model / "config.json").write_text("{}")
+    for first, variant in (("checkpoints", "a"), ("tracked", "b")):
+        folder = ckpt.checkpoint_dir("extend_context", {"lr": 0.1, "variant": variant}, "inputs")
+        (folder / "step-2").mkdir(parents=True)
+        atomic.write_json(folder / "step-2" / ckpt.WRITER_FILE, other)
+        run = StageRun("extend_context", Params(), rt, runtime.StopFlag(), "inputs")
+        with contextlib.ExitStack() as stack:
+            opened = {"checkpoints": functools.partial(run.checkpoints, variant=variant), "tracked": run.tracked}
+            for name in (first, *({"checkpoints", "tracked"} - {first})):
+                stack.enter_context(opened[name]())
+            run.finish(tmp_path / "out", models={variant: model}, inputs=(tmp_path / "out/weights.pt",))
+    client = mlflow.MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("pipeline").experiment_id])
+    assert len(runs) == 2 and all(r.data.tags.get(ckpt.ACROSS_CODE, "").startswith("code 000000000000") for r in runs)
+    for variant in "ab":
+        (version,) = client.search_model_versions(f"name = 'extend_context-{variant}'")
+        assert version.tags[ckpt.ACROSS_CODE].startswith("code 000000000000"), variant
 
 
 def test_an_unreachable_tracking_server_is_one_clear_error(tmp_path):

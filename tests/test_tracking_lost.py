@@ -248,7 +248,7 @@ def test_kept_records_are_sent_once_from_where_their_writer_stopped(tmp_path, mo
 
     import mlflow
 
-    from stages.common import registry, runtime
+    from stages.common import contract, registry, runtime
     from stages.common.config import UserError
     from stages.common.tracking import journal, runs
 
@@ -271,7 +271,7 @@ def test_kept_records_are_sent_once_from_where_their_writer_stopped(tmp_path, mo
     # not, then half a line.
     kept = tmp_path / journal.UNSENT / f"{run_id}.jsonl"
     kept.parent.mkdir(parents=True)
-    root = runtime.workspace()
+    root = contract.workspace()
     seal = journal.Seal(journal.journal_key(root), run_id, root)
     lines = [{"kind": "header", "run_id": run_id, "uri": uri, "root": str(root)}]
     lines += [{"kind": "metrics", "values": {"a": 1.0}, "step": 1, "time": 1}]

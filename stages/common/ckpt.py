@@ -24,34 +24,20 @@ import hashlib
 import importlib
 import io
 import json
-import os
 import pickle
 import shutil
-import signal
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from stages.common import atomic, contract, runtime
+from stages.common import atomic, contract, faults, runtime
 from stages.common.config import UserError
 from stages.common.digest import sha256_file
 
 # (torch.distributed.checkpoint is imported where a checkpoint is saved or loaded: it brings in DTensor
 # and sympy, a second of start-up for every process of the stages that never train)
-
-# How the processes share the model, not what it computes: a checkpoint saved under one layout resumes
-# under another (DCP reshards on load), so these keys of a train section are not part of the checkpoint
-# folder's key.
-LAYOUT_KEYS = (
-    "strategy", "tensor_parallel", "pipeline_parallel", "pipeline_schedule", "data_parallel_replicate", "offload",
-)  # fmt: skip
-# How a run is watched, not what it computes: not part of the checkpoint folder's key either.
-WATCH_KEYS = ("hang_timeout_s", "collective_timeout_s")
-# How a run saves, not what it computes: a run resumes the checkpoints of the other mode.
-SAVE_KEYS = ("async_checkpoint",)
-
 
 CHECKPOINT_ROOT = contract.checkpoint_root()  # (read once, when the stage starts)
 
@@ -211,13 +197,25 @@ def state_dicts(model, optimizer) -> tuple[dict, dict, object]:
     return model_sd, optim_sd, options
 
 
-# Who writes this process's checkpoints: its stage's code hash and the torch version (stage.checkpoints
-# sets it); saved beside each checkpoint's state and compared before one is resumed.
-WRITER: dict = {}
+# Who wrote a checkpoint: its stage's code hash and the torch version (writer_record; a Folder's `writer`),
+# saved beside each checkpoint's state and compared before one is resumed.
 WRITER_FILE = "writer.json"
 # The writer record's key for a resume across a code or torch change ("<old> -> <new>") in the run that
 # wrote the checkpoint, or in one it built on (stage.resume_problem).
 ACROSS_CODE = "resumed_across_code"
+
+
+@dataclass(frozen=True)
+class Folder:
+    """A run's checkpoint folder, held (locked) while it trains into it, and the writer record its
+    checkpoints get: the run's code and torch, and a resume across a change it made or built on."""
+
+    path: Path
+    writer: dict
+
+    @property
+    def across_code(self) -> str | None:
+        return self.writer.get(ACROSS_CODE)
 
 
 def writer_record(module: str) -> dict:
@@ -437,9 +435,10 @@ class Checkpointer:
 
     def __init__(
         self, folder: Path, every: int, steps: int, rt: runtime.Runtime, keep: int = 2,
-        asynchronous: bool = False, timeout_s: float = runtime.COLLECTIVE_TIMEOUT_S,
+        asynchronous: bool = False, timeout_s: float = runtime.COLLECTIVE_TIMEOUT_S, writer: dict | None = None,
     ):  # fmt: skip
         self.folder, self.every, self.steps, self.rt, self.keep = Path(folder), every, steps, rt, keep
+        self.writer = writer or writer_record("")  # (a Folder's; outside a stage: code unknown)
         self.asynchronous = asynchronous
         self.pending: PendingSave | None = None
         self.stager, self.group = None, None
@@ -486,9 +485,8 @@ class Checkpointer:
         """After a step, on every rank: publish the checkpoint in flight unless a rank still writes it
         (`writing`: `writing()` of any rank), then save the state if the step is due (`due`; synchronously
         on a stop). The checkpoint published, saved or started, or None."""
-        fault = os.environ.get("PIPELINE_FAULT_SAVE_IN_FLIGHT")
-        if self.pending is not None and fault == str(self.pending.step) and state.step > self.pending.step:
-            os.kill(os.getpid(), signal.SIGKILL)  # fault injection: killed with a save in flight, unpublished
+        if self.pending is not None and state.step > self.pending.step:
+            faults.kill_if_due("save_in_flight", self.pending.step)  # killed with a save in flight, unpublished
         published = self.finish() if self.pending is not None and not writing else None
         if not self.due(state.step, stopped):
             return published
@@ -566,12 +564,11 @@ class Checkpointer:
                 pending.write.result()  # (raises what the background write raised)
             if rt.is_main:
                 torch.save(pending.extra, pending.tmp / "extra.pt")
-                atomic.write_json(pending.tmp / WRITER_FILE, WRITER or writer_record(""))
+                atomic.write_json(pending.tmp / WRITER_FILE, self.writer)
             runtime.barrier()  # every rank's shard is on disk before the manifest records them
             if rt.is_main:
                 write_manifest(pending.tmp)
-            if os.environ.get("PIPELINE_FAULT_IN_CHECKPOINT") == str(pending.step):
-                os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the resume tests
+            faults.kill_if_due("in_checkpoint", pending.step)  # (the resume tests' kill)
             ok = True
         finally:
             atomic.publish(pending.final, pending.tmp, rt, ok)

@@ -29,18 +29,22 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from stages.common import ckpt, config, pipeline, runtime, shards, watchdog
+from stages.common import ckpt, config, faults, pipeline, runtime, shards, watchdog
 from stages.common.losses import IGNORE_INDEX, global_target_count, lm_loss, vocab_parallel_loss
 from stages.common.mesh import Layout
 from stages.common.optim import clip_grad_norm, lr_at, make_grad_scaler, make_optimizer, optimizer_state_bytes
 from stages.common.parallel import all_reduce_grads, checkpoint_activations, replicated_params, wrap
 from stages.common.train_config import REDUCE_DTYPES, TrainConfig, grad_accum_steps
 from stages.models.llama import tensor_parallel_problem
+
+if TYPE_CHECKING:
+    from stages.common.stagerun import StageRun
 
 
 @dataclass
@@ -290,6 +294,7 @@ def train(
     ckpt_folder: Path,
     tracker,
     stop: runtime.StopFlag,
+    writer: dict | None = None,
 ) -> TrainResult:
     """Train `model` (a transformers causal LM, or a PEFT model around one) for cfg.steps optimizer
     steps of sequences of `context_length` tokens (`build`, then `step` after step), resuming from the
@@ -298,7 +303,8 @@ def train(
     `async_checkpoint`: see ckpt.Checkpointer). A stop signal ends it after the step with a checkpoint
     (`stopped`). Stages hold the folder's lock (stage.checkpoints) around it and their
     publishing, so no second run resumes from or writes into the same folder meanwhile. A hang watchdog
-    (stages.common.watchdog) ends the run when a rank makes no progress for train.hang_timeout_s."""
+    (stages.common.watchdog) ends the run when a rank makes no progress for train.hang_timeout_s. `writer`:
+    the record each checkpoint gets (a ckpt.Folder's)."""
     watch = watchdog.Watchdog(
         rt.rank,
         rt.world_size,
@@ -312,7 +318,7 @@ def train(
     try:
         saver = ckpt.Checkpointer(
             ckpt_folder, cfg.checkpoint_every, cfg.steps, rt, asynchronous=asynchronous,
-            timeout_s=cfg.collective_timeout_s,
+            timeout_s=cfg.collective_timeout_s, writer=writer,
         )  # fmt: skip
         return _train(model, train_data, val_data, cfg, context_length, rt, saver, tracker, stop, watch)
     finally:
@@ -333,7 +339,7 @@ def _train(model, train_data, val_data, cfg, context_length, rt, saver, tracker,
     steps: list[Step] = []  # (their times: forward/backward/update; validation and saving excluded)
     watch.beat(state.step, f"in step {state.step + 1}, the first of this run")
     for index in range(state.step, cfg.steps):
-        watchdog.injected_stall(rt.rank, index)
+        faults.injected_stall(rt.rank, index)
         out = step(tr, index)
         steps.append(out)
         done = state.step = index + 1
@@ -397,11 +403,16 @@ def mfu(tr: Trainer, tokens_per_s: float) -> float:
     return tr.flops_per_token * tokens_per_s / tr.rt.world_size / (tr.cfg.peak_tflops * 1e12)
 
 
-def fit(model, train_data, val_data, cfg: TrainConfig, context: int, rt, folder: Path, tracker, stop):
-    """train(); a stop signal (the loop saved a checkpoint) is tagged on the run and raised as Stopped."""
-    result = train(model, train_data, val_data, cfg, context, rt, folder, tracker, stop)
+def fit(model, train_data, val_data, cfg: TrainConfig, context: int, run: StageRun, tracker=None) -> TrainResult:
+    """train() in the run's checkpoint folder (held: StageRun.checkpoints), logged to `tracker` (default: the
+    run's own); a stop signal (the loop saved a checkpoint) is tagged on the run and raised as Stopped."""
+    tracker = run.tracker if tracker is None else tracker
+    folder = run.folder
+    result = train(
+        model, train_data, val_data, cfg, context, run.rt, folder.path, tracker, run.stop, writer=folder.writer
+    )
     if result.stopped:
-        tracker.set_tags({"stopped_by": stop.signal or "SIGTERM", "resume_from": str(folder)})
+        tracker.set_tags({"stopped_by": run.stop.signal or "SIGTERM", "resume_from": str(folder.path)})
         raise runtime.Stopped
     return result
 

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from stages.common import contract
-from stages.common.contract import workspace  # noqa: F401 - (the tracking store's root, read as runtime.workspace)
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,13 @@ A stage's `main` reads:
     ... check the inputs (before any compute) ...
     return stage.launch(STAGE, lambda rt, stop: run(cfg, ..., rt, stop), train=cfg.train)
 
-and a training stage's `run`:
+and a training stage's `run` holds what it decides in one object (stages.common.stagerun.StageRun):
 
-    digest = stage.inputs_hash([inputs], rt)
-    with stage.checkpoints(STAGE, cfg, digest, rt) as folder, stage.tracked(STAGE, cfg, digest, rt) as (tracker, _):
-        result = loop.fit(model, train_data, val_data, cfg.train, context, rt, folder, tracker, stop)
-        meta = stage.publish(output, rt, lambda tmp: save_outputs(tmp, ...))
+    run = StageRun(STAGE, cfg, rt, stop, stage.inputs_hash([inputs], rt))
+    with run.checkpoints(), run.tracked():
+        result = loop.fit(model, train_data, val_data, cfg.train, context, run)
+        meta = run.publish(output, lambda tmp: save_outputs(tmp, ...))
+        run.finish(output, measured=..., artifacts=..., models=..., inputs=...)
 
 (the lock first: a second run of the same params and inputs stops before it opens an MLflow run).
 
@@ -151,18 +152,18 @@ def inputs_hash(paths, rt: runtime.Runtime) -> str:
     return runtime.broadcast_object(digest.hash_files(paths) if rt.is_main else None)
 
 
-def record_tags(section: str) -> dict:
+def record_tags(section: str, across_code: str | None = None) -> dict:
     """What a stage's run and registered models carry besides its params and inputs: the hash of its code
     (stages.common.provenance), the versions of the packages it imports, and, after a resume across a
-    code or torch change (PIPELINE_RESUME=across-code), what it resumed from."""
+    code or torch change (PIPELINE_RESUME=across-code, or checkpoints of such a run), what it resumed from."""
     module = f"stages.{section}"
     tags = {"code_sha256": ckpt.writer_record(module)["code_sha256"]}
     try:
         tags |= {f"package.{name}": version for name, version in provenance.packages(module).items()}
     except KeyError:  # not a stage module (a bench's own run)
         pass
-    if RESUMED_ACROSS_CODE.get(section):
-        tags["resumed_across_code"] = RESUMED_ACROSS_CODE[section]
+    if across_code:
+        tags[ckpt.ACROSS_CODE] = across_code
     tags |= environment.run_tags(section)  # a run on packages other than its family's recorded ones
     return tags
 
@@ -185,13 +186,14 @@ def checkpoints(section: str, cfg, digest: str, rt: runtime.Runtime, **key):
     run while it trains into it and publishes: a second run of the same stage, params and inputs stops
     with a clear error instead of resuming from, or writing over, checkpoints in flight. Checkpoints
     written by other code or another torch are not resumed (see resume_problem) unless PIPELINE_RESUME
-    says what to do with them."""
+    says what to do with them. Yields a ckpt.Folder: the folder and the writer record its checkpoints get
+    (with the resume across a change that this run makes or builds on, if any)."""
     params = config.as_dict(cfg)
     if isinstance(params.get("train"), dict):  # a run may resume under another layout of its processes
-        unkeyed = (*ckpt.LAYOUT_KEYS, *ckpt.WATCH_KEYS, *ckpt.SAVE_KEYS)
-        params["train"] = {k: v for k, v in params["train"].items() if k not in unkeyed}
+        from stages.common.train_config import TrainConfig  # (only the training stages have a train section)
+
+        params["train"] = TrainConfig.checkpoint_params(params["train"])
     folder = ckpt.checkpoint_dir(section, {**params, **key}, digest)
-    RESUMED_ACROSS_CODE.pop(section, None)
     with ckpt.exclusive(folder, rt):
         writer = ckpt.writer_record(f"stages.{section}")
         problem, across = None, None
@@ -200,17 +202,11 @@ def checkpoints(section: str, cfg, digest: str, rt: runtime.Runtime, **key):
         problem, across = runtime.broadcast_object((problem, across))
         if problem:
             raise config.UserError(problem)
-        ckpt.WRITER.clear()
-        ckpt.WRITER.update(writer)
-        if across:  # the checkpoints this run writes carry it on, to every run that resumes them
-            RESUMED_ACROSS_CODE[section] = across
-            ckpt.WRITER[ckpt.ACROSS_CODE] = across
-        yield folder
+        # (the checkpoints this run writes carry a resume across a change on, to every run that resumes them)
+        yield ckpt.Folder(folder, {**writer, ckpt.ACROSS_CODE: across} if across else writer)
 
 
 RESUME_CHOICES = ("fresh", "across-code")
-# {section: "<old> -> <new>"} when this process resumed checkpoints of other code (PIPELINE_RESUME=across-code)
-RESUMED_ACROSS_CODE: dict[str, str] = {}
 
 
 def resume_problem(folder: Path, writer: dict) -> tuple[str | None, str | None]:
@@ -305,7 +301,9 @@ def publish(output: str | Path, rt: runtime.Runtime, write):
     return runtime.broadcast_object(result)
 
 
-def register_models(tracker, section: str, cfg, models: dict, output, inputs: list, digest: str) -> None:
+def register_models(
+    tracker, section: str, cfg, models: dict, output, inputs: list, digest: str, across_code: str | None = None
+) -> None:
     """Register each model folder the stage published in `output` ({item or None: folder}) in the MLflow
     model registry as `<section>` or `<section>-<item>`, with its lineage (stages/common/registry.py).
     Rank 0 with a run open."""
@@ -313,7 +311,7 @@ def register_models(tracker, section: str, cfg, models: dict, output, inputs: li
         return
     try:
         tags = registry.lineage(Path(output), [Path(p) for p in inputs], config.as_dict(cfg), digest)
-        tags |= {k: v for k, v in record_tags(section).items() if not k.startswith("package.")}
+        tags |= {k: v for k, v in record_tags(section, across_code).items() if not k.startswith("package.")}
         records = [
             registry.version_record(
                 registry.model_name(section, item),

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from stages.common import ckpt, config, mesh, runtime
+from stages.common import config, mesh, runtime
 
 # The pipeline schedules: GPipe (all forwards, then all backwards) and 1F1B (one forward, one backward).
 SCHEDULES = ("gpipe", "1f1b")
@@ -29,8 +29,16 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 # torch.compile modes; the max-autotune ones also tune the matrix multiplies (Triton on GPUs) and
 # compile longer.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# The keys of a run's layout over its processes: a checkpoint resumes under other values of them.
-LAYOUT_KEYS = ckpt.LAYOUT_KEYS
+# How the processes share the model, not what it computes: a checkpoint saved under one layout resumes
+# under another (DCP reshards on load), so these keys of a train section are not part of the checkpoint
+# folder's key (TrainConfig.checkpoint_params).
+LAYOUT_KEYS = (
+    "strategy", "tensor_parallel", "pipeline_parallel", "pipeline_schedule", "data_parallel_replicate", "offload",
+)  # fmt: skip
+# How a run is watched, and how it saves (a run resumes the checkpoints of the other mode): not what it
+# computes either.
+WATCH_KEYS = ("hang_timeout_s", "collective_timeout_s")
+SAVE_KEYS = ("async_checkpoint",)
 # The dtype gradients are averaged over processes in: FSDP2's reduce-scatter (MixedPrecisionPolicy
 # reduce_dtype), DDP's all-reduce (a compression hook), the all-reduce of replicated adapters. fp32 sums
 # exactly as the one-process run does; bf16 and fp16 halve the bytes sent.
@@ -44,6 +52,8 @@ class TrainConfig:
     # Whether the stage trains adapters on a frozen base. Under FSDP the frozen base is sharded and the
     # few trainable parameters stay whole on every rank (see wrap), so any optimizer can step them.
     FROZEN_BASE: ClassVar[bool] = False
+    # The keys that leave a checkpoint folder's key: how the run is laid out, watched and saved.
+    UNKEYED: ClassVar[tuple[str, ...]] = (*LAYOUT_KEYS, *WATCH_KEYS, *SAVE_KEYS)
 
     steps: int
     batch_size: int
@@ -154,6 +164,11 @@ class TrainConfig:
             )
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr must be between 0 and lr ({self.lr}), got {self.min_lr}")
+
+    @classmethod
+    def checkpoint_params(cls, section: dict) -> dict:
+        """The keys of a train section (as a dict) that a checkpoint folder's key holds: all but UNKEYED."""
+        return {k: v for k, v in section.items() if k not in cls.UNKEYED}
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         return runtime.compute_dtype(device, self.precision)

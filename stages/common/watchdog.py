@@ -40,30 +40,10 @@ HANG_EXIT = contract.HANG_EXIT  # the stage ended because a rank made no progres
 HANG_STEP_MULTIPLE = 10  # a step that takes this many median steps is a hang ...
 FIRST_STEP_FACTOR = 3  # ... and before the first step: this many times the floor (loading, compiling)
 COLLECT_S = 15.0  # how long rank 0 waits for the other ranks' reports
-FREEZE_AFTER_S = 2.0  # injected_stall's wait before it freezes: longer than a watchdog tick (at most 1 s)
 
 # Frames that mean "this rank waits for the others": the collectives' Python side, and the autograd
 # engine, inside which DDP's gradient all-reduce runs.
 WAITING_FILES = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
-
-
-def injected_stall(rank: int, index: int) -> None:
-    """Fault injection for the watchdog's tests: PIPELINE_FAULT_STALL=<rank>:<step> stops that rank before
-    that step (0-based) for good, its watchdog still running. <rank>:<step>:frozen freezes the whole process
-    there instead, as native code that never returns and holds the interpreter: its watchdog thread can no
-    longer report, and rank 0 names it by where it was last seen (it freezes FREEZE_AFTER_S after stopping,
-    past a tick of its watchdog, so that place is this step). A signal (torchrun's, at the end) ends it."""
-    fault = os.environ.get("PIPELINE_FAULT_STALL", "").split(":")
-    if fault[:2] != [str(rank), str(index)]:
-        return
-    if fault[2:] == ["frozen"]:
-        import ctypes
-
-        time.sleep(FREEZE_AFTER_S)
-        ctypes.PyDLL(None).pause()  # (a PyDLL call keeps the interpreter's lock: no other thread runs)
-        os._exit(143)
-    while True:
-        time.sleep(3600)
 
 
 def hang_limit(floor_s: float, steps_s: list[float]) -> float:

@@ -18,7 +18,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from stages.common import runtime
+from stages.common import contract
 from stages.common.config import UserError
 from stages.common.tracking import store
 from stages.common.tracking.records import KINDS, NOT_SENT, say, send_records
@@ -191,7 +191,7 @@ def resend(path: Path, client=None, root: Path | None = None) -> int:
     `client`, one of the tracking server the file names, once it answers."""
     import mlflow
 
-    root = Path(root or runtime.workspace()).resolve()
+    root = Path(root or contract.workspace()).resolve()
     try:
         fh = open_locked(path, "rb+")
     except FileNotFoundError:
@@ -251,7 +251,7 @@ def main(argv=None) -> None:
     cmd = sub.add_parser("resend", help="send unsent files (default: every one under logs/mlflow-unsent/)")
     cmd.add_argument("files", nargs="*", type=Path)
     args = parser.parse_args(argv)
-    files = args.files or sorted((runtime.workspace() / UNSENT).glob("*.jsonl"))
+    files = args.files or sorted((contract.workspace() / UNSENT).glob("*.jsonl"))
     if not files:
         print("nothing to send")
     failed = []

@@ -11,7 +11,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from stages.common import provenance, runtime
+from stages.common import contract, provenance
 from stages.common.config import UserError
 from stages.common.tracking import store
 from stages.common.tracking.orphans import proc_stat
@@ -85,7 +85,7 @@ def record_stage_end(label: str, code: int) -> str | None:
     if code == 0 or not group or store.tracking_off() or store.server_problem(store.tracking_uri()):
         return None
     killed = code in (143, 130, -15, -2)
-    root = runtime.workspace()
+    root = contract.workspace()
     try:
         with store.access_checked(store.tracking_uri(root)):
             client, experiment_id = store.experiment(root)

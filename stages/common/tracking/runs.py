@@ -10,7 +10,7 @@ import json
 import os
 import platform
 
-from stages.common import config, provenance, runtime
+from stages.common import config, contract, provenance, runtime
 from stages.common.config import UserError
 from stages.common.tracking import journal, orphans, parents, store
 from stages.common.tracking.sender import HTTP_DEFAULTS, Sender, flush_s
@@ -108,7 +108,7 @@ def _open_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
     import mlflow
     from mlflow.tracking.context.registry import resolve_tags
 
-    root = runtime.workspace()
+    root = contract.workspace()
     uri = store.tracking_uri(root)
     mlflow.set_tracking_uri(uri)
     with store.access_checked(uri):  # a server with users: the account and its permission, before any compute

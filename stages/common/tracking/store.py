@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from stages.common import atomic, runtime
+from stages.common import atomic, contract
 from stages.common.config import UserError
 
 EXPERIMENT = os.environ.get("MLFLOW_EXPERIMENT_NAME", "pipeline")
@@ -81,8 +81,8 @@ def view_url(base: str, experiment_id: str) -> str:
 
 
 def tracking_uri(root: Path | None = None) -> str:
-    """MLFLOW_TRACKING_URI, else the repository's SQLite store (mlflow.db in runtime.workspace())."""
-    root = Path(root or runtime.workspace()).resolve()
+    """MLFLOW_TRACKING_URI, else the repository's SQLite store (mlflow.db in contract.workspace())."""
+    root = Path(root or contract.workspace()).resolve()
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
 
 
@@ -171,7 +171,7 @@ def open_client(root: Path | None = None):
     it beside another ("table ... already exists")."""
     import mlflow
 
-    root = root or runtime.workspace()
+    root = root or contract.workspace()
     uri = tracking_uri(root)
     if not uri.startswith("sqlite:"):
         return mlflow.MlflowClient(uri)
