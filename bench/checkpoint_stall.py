@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipelines import preset  # noqa: E402
 from stages import pretrain  # noqa: E402
-from stages.common import ckpt, config, loop, runtime, train_config  # noqa: E402
+from stages.common import checkpointer, config, loop, runtime, train_config  # noqa: E402
 from stages.common.tracking.tracker import NullTracker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +72,7 @@ class Clock:
         self.last: tuple[float, bool] | None = None  # (when the previous step's checkpointer call returned, writing)
 
     def install(self):
-        real = {name: getattr(ckpt.Checkpointer, name) for name in ("step_done", "finish", "save")}
+        real = {name: getattr(checkpointer.Checkpointer, name) for name in ("step_done", "finish", "save")}
 
         def outermost(name):
             def call(saver, *args, **kwargs):
@@ -110,8 +110,12 @@ class Clock:
                 self.bytes.append(sum(f.stat().st_size for f in published.rglob("*") if f.is_file()))
             return published
 
-        ckpt.Checkpointer.step_done, ckpt.Checkpointer.finish, ckpt.Checkpointer.save = step_done, finish, save
-        return lambda: [setattr(ckpt.Checkpointer, name, fn) for name, fn in real.items()]
+        checkpointer.Checkpointer.step_done, checkpointer.Checkpointer.finish, checkpointer.Checkpointer.save = (
+            step_done,
+            finish,
+            save,
+        )
+        return lambda: [setattr(checkpointer.Checkpointer, name, fn) for name, fn in real.items()]
 
 
 def run(tokens: np.ndarray, vocab: int, args, asynchronous: bool) -> dict:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
-from stages.common import ckpt, runtime
+from stages.common import checkpointer, runtime
 
 
 def main(folder: Path) -> None:
@@ -38,14 +38,14 @@ def main(folder: Path) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
-    saver = ckpt.Checkpointer(folder, every=2, steps=8, rt=rt, asynchronous=True, timeout_s=60)
+    saver = checkpointer.Checkpointer(folder, every=2, steps=8, rt=rt, asynchronous=True, timeout_s=60)
     if rt.rank == 1:
 
         def fail(*args, **kwargs):
             raise MemoryError("no host memory for the staging copy")
 
         saver.stager.stage = fail
-    state = ckpt.TrainState(step=2)
+    state = checkpointer.TrainState(step=2)
     try:
         saver.save(state, model, optimizer, wait=False)
     except MemoryError:

@@ -14,7 +14,7 @@ import time
 import pytest
 from conftest import ROOT, RunsCode, run_probe
 
-from stages.common import atomic, ckpt, digest, runtime
+from stages.common import atomic, checkpointer, ckpt, digest, runtime
 
 
 def test_checkpoint_dir_depends_on_params_and_inputs(tmp_path):
@@ -90,7 +90,7 @@ def test_temporaries_of_writers_that_ended_are_removed_by_the_next_write(tmp_pat
     assert not (ckpt_folder := tmp_path / "ckpts").exists()
     ckpt_folder.mkdir()
     (ckpt_folder / others["alive"].replace(".out.", ".step-4.", 1)).mkdir()  # its writer has now ended
-    saver = ckpt.Checkpointer(ckpt_folder, every=2, steps=8, rt=runtime.init())
+    saver = checkpointer.Checkpointer(ckpt_folder, every=2, steps=8, rt=runtime.init())
     import torch
 
     model = torch.nn.Linear(2, 2)
@@ -203,9 +203,9 @@ def test_the_checkpointer_saves_the_steps_it_decides_on_and_resumes_the_whole_tr
     import torch
 
     rt = runtime.init()
-    saver = ckpt.Checkpointer(tmp_path, every=3, steps=8, rt=rt, asynchronous=asynchronous)
+    saver = checkpointer.Checkpointer(tmp_path, every=3, steps=8, rt=rt, asynchronous=asynchronous)
     assert [done for done in range(1, 9) if saver.due(done, stopped=False)] == [3, 6]
-    assert saver.due(5, stopped=True) and not ckpt.Checkpointer(tmp_path, 0, 8, rt).due(6, stopped=False)
+    assert saver.due(5, stopped=True) and not checkpointer.Checkpointer(tmp_path, 0, 8, rt).due(6, stopped=False)
 
     def parts(seed: int):
         torch.manual_seed(seed)
@@ -213,7 +213,7 @@ def test_the_checkpointer_saves_the_steps_it_decides_on_and_resumes_the_whole_tr
         return model, torch.optim.AdamW(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", init_scale=2.0**seed)
 
     model, optimizer, scaler = parts(7)
-    state, at = ckpt.TrainState(), {}
+    state, at = checkpointer.TrainState(), {}
     for done in range(1, 8):
         model(torch.randn(3, 4)).sum().backward()  # (draws from the RNG too)
         optimizer.step()
@@ -231,7 +231,7 @@ def test_the_checkpointer_saves_the_steps_it_decides_on_and_resumes_the_whole_tr
     for step in (7, 6):  # step 6's checkpoint holds step 6's state, though training went on while it was written
         torch.manual_seed(99)
         other, other_optimizer, other_scaler = parts(3)
-        resumed = ckpt.Checkpointer(tmp_path, 3, 8, rt).resume(other, other_optimizer, other_scaler)
+        resumed = checkpointer.Checkpointer(tmp_path, 3, 8, rt).resume(other, other_optimizer, other_scaler)
         (weights, moments), rng = at[step]
         assert (resumed.step, resumed.history["step"]) == (step, list(range(1, step + 1)))
         assert torch.equal(torch.get_rng_state(), rng) and other_scaler.get_scale() == 2.0**7
@@ -239,7 +239,7 @@ def test_the_checkpointer_saves_the_steps_it_decides_on_and_resumes_the_whole_tr
         got = other_optimizer.state_dict()["state"]
         assert all(torch.equal(moments["state"][i]["exp_avg"], got[i]["exp_avg"]) for i in got)
         shutil.rmtree(tmp_path / f"step-{step}")
-    assert ckpt.Checkpointer(tmp_path / "none", 3, 8, rt).resume(other, other_optimizer).step == 0
+    assert checkpointer.Checkpointer(tmp_path / "none", 3, 8, rt).resume(other, other_optimizer).step == 0
 
 
 def test_a_checkpoint_copy_that_fails_on_one_rank_fails_the_save_on_every_rank(tmp_path):
@@ -262,8 +262,8 @@ def test_a_checkpoint_whose_dcp_metadata_would_run_code_is_passed_over(tmp_path,
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    saver = ckpt.Checkpointer(tmp_path / "ckpt", every=1, steps=4, rt=rt)
-    state = ckpt.TrainState()
+    saver = checkpointer.Checkpointer(tmp_path / "ckpt", every=1, steps=4, rt=rt)
+    state = checkpointer.TrainState()
     for done in (1, 2):
         model(torch.randn(3, 4)).sum().backward()
         optimizer.step()
@@ -285,7 +285,9 @@ def test_a_checkpoint_whose_dcp_metadata_would_run_code_is_passed_over(tmp_path,
         problem = ckpt.checkpoint_problem(newest)
         assert problem.startswith(why), problem
         other = torch.nn.Linear(4, 2)
-        resumed = ckpt.Checkpointer(tmp_path / "ckpt", 1, 4, rt).resume(other, torch.optim.AdamW(other.parameters()))
+        resumed = checkpointer.Checkpointer(tmp_path / "ckpt", 1, 4, rt).resume(
+            other, torch.optim.AdamW(other.parameters())
+        )
         assert resumed.step == 1, case
         assert f"not resuming from checkpoint {newest}: {why}" in capsys.readouterr().out, case
         assert not (tmp_path / "code-ran").exists(), f"{case}: loading a checkpoint ran code"
@@ -306,8 +308,8 @@ def test_a_checkpoint_item_that_would_run_code_is_never_unpickled(tmp_path, caps
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    saver = ckpt.Checkpointer(tmp_path / "ckpt", every=1, steps=4, rt=rt)
-    state = ckpt.TrainState()
+    saver = checkpointer.Checkpointer(tmp_path / "ckpt", every=1, steps=4, rt=rt)
+    state = checkpointer.TrainState()
     for done in (1, 2):
         model(torch.randn(3, 4)).sum().backward()
         optimizer.step()
@@ -322,16 +324,16 @@ def test_a_checkpoint_item_that_would_run_code_is_never_unpickled(tmp_path, caps
         other = torch.nn.Linear(4, 2)
         return other, torch.optim.AdamW(other.parameters(), lr=0.5)
 
-    resumed = ckpt.Checkpointer(tmp_path / "ckpt", 1, 4, rt).resume(*fresh())
+    resumed = checkpointer.Checkpointer(tmp_path / "ckpt", 1, 4, rt).resume(*fresh())
     assert resumed.step == 1 and f"not resuming from checkpoint {newest}: item {item}" in capsys.readouterr().out
     with pytest.raises(CheckpointException, match="Weights only load failed"):  # every rank's load, checked or not
-        ckpt.Checkpointer._load(newest, *fresh())
+        checkpointer.Checkpointer._load(newest, *fresh())
     model_, optimizer_ = fresh()
-    ckpt.Checkpointer._load(tmp_path / "ckpt/step-1", model_, optimizer_)  # plain items load as before
+    checkpointer.Checkpointer._load(tmp_path / "ckpt/step-1", model_, optimizer_)  # plain items load as before
     assert optimizer_.param_groups[0]["lr"] == 0.1
     (newest / ckpt.MANIFEST).unlink()
     assert ckpt.checkpoint_problem(newest).startswith("it has no manifest.json")
-    assert ckpt.Checkpointer(tmp_path / "ckpt", 1, 4, rt).resume(*fresh()).step == 1
+    assert checkpointer.Checkpointer(tmp_path / "ckpt", 1, 4, rt).resume(*fresh()).step == 1
     assert not marker.exists(), "a checkpoint item ran code"
 
 
@@ -359,8 +361,8 @@ def test_a_resume_across_code_travels_with_the_checkpoints_it_wrote(tmp_path, mo
     optimizer = torch.optim.AdamW(model.parameters())
 
     def train_to(run: StageRun, step: int) -> None:  # a run's save of `step`, the older checkpoints pruned
-        saver = ckpt.Checkpointer(run.folder.path, every=1, steps=10, rt=rt, keep=1, writer=run.folder.writer)
-        saver.save(ckpt.TrainState(step), model, optimizer)
+        saver = checkpointer.Checkpointer(run.folder.path, every=1, steps=10, rt=rt, keep=1, writer=run.folder.writer)
+        saver.save(checkpointer.TrainState(step), model, optimizer)
 
     monkeypatch.setenv("PIPELINE_RESUME", "across-code")
     run = StageRun("pretrain", Params(), rt, runtime.StopFlag(), "inputs")

@@ -5,9 +5,9 @@ A test switches a fault on in a stage it starts as a process through the environ
 point (read once, when this module is imported), or in its own process with `switch_on`:
 
     PIPELINE_FAULT_IN_CHECKPOINT=<step>    SIGKILL while the checkpoint of <step> is written, before it
-                                           is published (ckpt.Checkpointer.finish)
+                                           is published (checkpointer.Checkpointer.finish)
     PIPELINE_FAULT_SAVE_IN_FLIGHT=<step>   SIGKILL at the first step after <step> whose asynchronous
-                                           checkpoint is still unpublished (ckpt.Checkpointer.step_done)
+                                           checkpoint is still unpublished (checkpointer.Checkpointer.step_done)
     PIPELINE_FAULT_STALL=<rank>:<step>[:frozen]
                                            that rank stops for good before that step (0-based; an
                                            evaluation's batch in eval_perplexity), `frozen`: the whole

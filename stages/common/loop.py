@@ -6,7 +6,7 @@ the processes as the run's Layout (stages.common.mesh) says: a pipeline stage's 
 parallel); then the optimizer and fp16's scaler (stages.common.optim): a `Trainer`. `step()` is one
 optimizer step of it: gradient accumulation over micro-batches, the loss (stages.common.losses),
 clipping, the update; benches call it alone. `train()` builds, resumes the train state from the newest
-intact checkpoint (stages.common.ckpt's Checkpointer), then runs the steps with their bookkeeping:
+intact checkpoint (stages.common.checkpointer), then runs the steps with their bookkeeping:
 periodic validation (`evaluate`), tokens/s and MFU, the tracker, and the checkpoints the Checkpointer
 decides on (every N steps, and on a stop signal). `fit()` adds the stop protocol; `full_state_dict`
 and `write_curves` are what a stage publishes from it.
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from stages.common import ckpt, config, faults, pipeline, runtime, shards, watchdog
+from stages.common import checkpointer, config, faults, pipeline, runtime, shards, watchdog
 from stages.common.losses import IGNORE_INDEX, global_target_count, lm_loss, vocab_parallel_loss
 from stages.common.mesh import Layout
 from stages.common.optim import clip_grad_norm, lr_at, make_grad_scaler, make_optimizer, optimizer_state_bytes
@@ -300,7 +300,7 @@ def train(
     steps of sequences of `context_length` tokens (`build`, then `step` after step), resuming from the
     newest intact checkpoint in `ckpt_folder`; each step is logged to `tracker`, validated every
     `eval_every` steps and saved every `checkpoint_every` (written in the background with
-    `async_checkpoint`: see ckpt.Checkpointer). A stop signal ends it after the step with a checkpoint
+    `async_checkpoint`: see checkpointer.Checkpointer). A stop signal ends it after the step with a checkpoint
     (`stopped`). Stages hold the folder's lock (stage.checkpoints) around it and their
     publishing, so no second run resumes from or writes into the same folder meanwhile. A hang watchdog
     (stages.common.watchdog) ends the run when a rank makes no progress for train.hang_timeout_s. `writer`:
@@ -316,7 +316,7 @@ def train(
     asynchronous = cfg.async_checkpoint and 0 < cfg.checkpoint_every < cfg.steps
     saver = None
     try:
-        saver = ckpt.Checkpointer(
+        saver = checkpointer.Checkpointer(
             ckpt_folder, cfg.checkpoint_every, cfg.steps, rt, asynchronous=asynchronous,
             timeout_s=cfg.collective_timeout_s, writer=writer,
         )  # fmt: skip
@@ -425,8 +425,8 @@ def full_state_dict(model, rt: runtime.Runtime, trainable_only: bool = False) ->
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
     sd = get_model_state_dict(model, options=options)
     if trainable_only:
-        names = {ckpt.fqn(n) for n, p in model.named_parameters() if p.requires_grad}
-        sd = {k: v for k, v in sd.items() if ckpt.fqn(k) in names}
+        names = {checkpointer.fqn(n) for n, p in model.named_parameters() if p.requires_grad}
+        sd = {k: v for k, v in sd.items() if checkpointer.fqn(k) in names}
     return {k.removeprefix("_orig_mod."): v for k, v in sd.items()} if rt.is_main else {}
 
 
