@@ -51,6 +51,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from stages.common.tracking.tracker import NullTracker  # noqa: E402  (no torch: the parent process starts fast)
+
 MODELS = {
     "63m": {
         "model": {"n_layers": 8, "hidden_size": 768, "n_heads": 12, "n_kv_heads": 12, "intermediate_size": 2048},
@@ -174,13 +176,14 @@ def vm_hwm_mib() -> float:
     raise RuntimeError("/proc/self/status has no VmHWM")
 
 
-class LastStepCounter:
+class LastStepCounter(NullTracker):
     """A tracker for loop.train that counts the communication of the last step only: the counter is
     entered once the step before is logged, and left when the last one is."""
 
     def __init__(self, steps: int):
         from stages.common.comm import CommCounter
 
+        super().__init__()
         self.steps, self.counter, self.sent, self.calls, self.by_kind = steps, CommCounter(), None, {}, {}
 
     def log_metrics(self, metrics: dict, step: int) -> None:

@@ -17,6 +17,7 @@ from conftest import ROOT, TINY_MODEL, craft_checkpoint_item, loss_curve, run_st
 from stages import finetune_qlora as ft
 from stages import pretrain
 from stages.common import config, instructions, loop, losses, runtime, train_config
+from stages.common.tracking.tracker import NullTracker
 
 PRETRAIN = [
     *TINY_MODEL,
@@ -298,7 +299,7 @@ def test_step_loss_is_the_mean_over_target_tokens(tmp_path):
         steps=1, batch_size=2, micro_batch_size=1, lr=1e-3, min_lr=0.0, warmup_steps=0, weight_decay=0.0, eval_batches=1
     )
     rt = runtime.Runtime(0, 1, 0, 1, torch.device("cpu"))
-    tracker = SimpleNamespace(log_metrics=lambda *a, **k: None)
+    tracker = NullTracker()
     result = loop.train(model, Source(), Source(), cfg, 16, rt, tmp_path / "ckpt", tracker, runtime.StopFlag())
     assert result.history["loss"][0] == pytest.approx(want, rel=1e-5)
 

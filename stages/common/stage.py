@@ -181,18 +181,15 @@ def tracked(section: str, cfg, inputs, rt: runtime.Runtime, tags: dict | None = 
 
 
 @contextlib.contextmanager
-def checkpoints(section: str, cfg, digest: str, rt: runtime.Runtime, **key):
+def checkpoints(section: str, cfg, digest: str, rt: runtime.Runtime, keyed: dict | None = None, **key):
     """The checkpoint folder of these params and inputs (plus `key`, e.g. a variant name), held by this
     run while it trains into it and publishes: a second run of the same stage, params and inputs stops
     with a clear error instead of resuming from, or writing over, checkpoints in flight. Checkpoints
     written by other code or another torch are not resumed (see resume_problem) unless PIPELINE_RESUME
-    says what to do with them. Yields a ckpt.Folder: the folder and the writer record its checkpoints get
-    (with the resume across a change that this run makes or builds on, if any)."""
-    params = config.as_dict(cfg)
-    if isinstance(params.get("train"), dict):  # a run may resume under another layout of its processes
-        from stages.common.train_config import TrainConfig  # (only the training stages have a train section)
-
-        params["train"] = TrainConfig.checkpoint_params(params["train"])
+    says what to do with them. `keyed`: the params the folder's key holds (default: the whole section; a
+    training stage's StageRun leaves out how its processes are laid out). Yields a ckpt.Folder: the folder
+    and the writer record its checkpoints get (with a resume across a change this run makes or builds on)."""
+    params = config.as_dict(cfg) if keyed is None else keyed
     folder = ckpt.checkpoint_dir(section, {**params, **key}, digest)
     with ckpt.exclusive(folder, rt):
         writer = ckpt.writer_record(f"stages.{section}")

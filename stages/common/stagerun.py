@@ -21,7 +21,8 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.common import ckpt, runtime, stage
+from stages.common import ckpt, config, runtime, stage
+from stages.common.train_config import TrainConfig
 
 
 @dataclass
@@ -62,7 +63,10 @@ class StageRun:
         """The checkpoint folder of these params and inputs (plus `key`, e.g. a variant), held while the run
         trains into it and publishes (stage.checkpoints). A resume across a change it brings is recorded on
         the run, and tagged on its MLflow run at once when that is open. Yields the ckpt.Folder."""
-        with stage.checkpoints(self.section, self.cfg, self.digest, self.rt, **key) as folder:
+        params = config.as_dict(self.cfg)
+        if isinstance(params.get("train"), dict):  # a run may resume under another layout of its processes
+            params["train"] = TrainConfig.checkpoint_params(params["train"])
+        with stage.checkpoints(self.section, self.cfg, self.digest, self.rt, params, **key) as folder:
             if folder.across_code and folder.across_code not in (self.across_code or ""):
                 self.across_code = "; ".join(t for t in (self.across_code, folder.across_code) if t)
                 if self.tracker is not None:
