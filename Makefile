@@ -5,14 +5,14 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
-# Offline runs read raw data from a mirror laid out like shared/data (docs/data.md); use the sibling
-# ../shared/data when there is one and the variable is unset.
+# Offline runs and the tests read raw data from a mirror (docs/data.md; `make mirror DIR=...` builds one).
+# Unset, the variable names a sibling mirror folder of this checkout if you keep one there.
 export PIPELINE_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data))
 # The CPU build of torch where there is no NVIDIA GPU (the default wheel bundles CUDA, several GB).
 TORCH_INDEX := $(if $(shell command -v nvidia-smi),,--extra-index-url https://download.pytorch.org/whl/cpu)
 MLFLOW_PORT ?= 5000
 
-.PHONY: run lint test test-system venv dag bench mlflow-ui html-report plots exp-show push pull lock clean
+.PHONY: run lint test test-system venv mirror dag bench mlflow-ui html-report plots exp-show push pull lock clean
 
 # Packages installed without byte-code, then compiled by compileall on every core (pip compiles one file
 # after another: half of the install on 2 cores). torch ships one test helper in Python 3.12 syntax, which
@@ -67,6 +67,12 @@ test: lint
 test-system: $(STAMP)
 	bash tests/system/install.sh
 	$(PYTEST) -n $(SYSTEM_TEST_WORKERS) -m "system or long" tests
+
+# A data mirror in DIR from the pinned public sources, each file checked against its sha256 (pipelines/mirror.py);
+# resumes a cut download and keeps the files already there. Then: PIPELINE_DATA_MIRROR=DIR make test.
+mirror: $(STAMP)
+	@test -n "$(DIR)" || { echo "make mirror: name the folder to fill, e.g. make mirror DIR=$$HOME/pipeline-data" >&2; exit 2; }
+	python -m pipelines.mirror "$(DIR)"
 
 dag: $(STAMP)
 	python -m pipelines.dag write

@@ -50,7 +50,10 @@ def source_lines(mirror: Path) -> list[str]:
     for name in TEXTS:
         path = mirror / name
         if not path.is_file():
-            raise SystemExit(f"data_scale: {path} not found; set PIPELINE_DATA_MIRROR to a copy of shared/data")
+            raise SystemExit(
+                f"data_scale: {path} not found; build a mirror with `make mirror DIR=<folder>` and set "
+                "PIPELINE_DATA_MIRROR=<folder>"
+            )
         lines += [ln for ln in path.read_text(encoding="utf-8").splitlines(keepends=True) if ln.strip()]
     return lines
 

@@ -10,10 +10,10 @@ file's documents (the `text_field` of each record; every record is checked first
 position, a hub dataset row by row in the datasets library's streaming mode. `max_bytes` keeps whole lines
 of each split up to that size.
 
-Where inputs come from, in order: the mirror directory in `PIPELINE_DATA_MIRROR` (laid out like
-`shared/data`: tinyshakespeare/, wikitext-2-raw/, alpaca-5k/, planetoid/), then the public internet
-(TinyShakespeare and Planetoid from their canonical GitHub files, WikiText-2, Alpaca and any other
-dataset from the Hugging Face datasets hub).
+Where inputs come from, in order: the mirror directory in `PIPELINE_DATA_MIRROR` (tinyshakespeare/,
+wikitext-2-raw/, alpaca-5k/, planetoid/ as in stages/common/sources.py; `python -m pipelines.mirror DIR`
+builds one), then the public internet (TinyShakespeare, the Alpaca 5k subset and Planetoid from their
+pinned GitHub files; WikiText-2, the whole Alpaca and any other dataset from the Hugging Face datasets hub).
 
 Run:
     python -m stages.prepare_data --output data/prepare_data [key=value ...]

@@ -253,10 +253,18 @@ def run_probe(script: str, args: list, cwd: Path, nproc: int) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+MIRROR_MISSING = (
+    f"no data mirror at {MIRROR}: build one with `make mirror DIR=<folder>` and set PIPELINE_DATA_MIRROR=<folder>"
+    if os.environ.get("PIPELINE_DATA_MIRROR")
+    else "no data mirror (PIPELINE_DATA_MIRROR is unset): build one with `make mirror DIR=<folder>` and set "
+    "PIPELINE_DATA_MIRROR=<folder>"
+)
+
+
 @pytest.fixture(scope="session")
 def mirror() -> Path:
     if not (MIRROR / "tinyshakespeare" / "input.txt").is_file():
-        pytest.skip(f"no data mirror at {MIRROR}: set PIPELINE_DATA_MIRROR to a directory laid out like shared/data")
+        pytest.skip(MIRROR_MISSING)
     return MIRROR
 
 

@@ -26,6 +26,8 @@ HOW: dict[str, tuple[str, str]] = {
     "python -m pipelines.preset ci": ("marked", "every clone the tests make runs it (tests/shared_run.py: make_clone)"),
     "git checkout params.yaml": ("marked", "undoes a preset in the user's repository"),
     "make test": ("marked", "CI's own command"),
+    "make mirror DIR=$HOME/pipeline-data": ("make", ""),
+    "PIPELINE_DATA_MIRROR=$HOME/pipeline-data make test": ("marked", "CI's own command, on a mirror"),
     "source .venv/bin/activate": ("marked", "shell set-up"),
     "snakemake --profile pipelines/profiles/local": ("marked", LONG_DAG),
     "snakemake --cores all tokenize": ("run", "current after the pipeline: runs nothing"),

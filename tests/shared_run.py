@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 _mirror = os.environ.get("PIPELINE_DATA_MIRROR")
+# Unset, a sibling mirror folder of the checkout if one is kept there (as the Makefile and .ci/run do).
 MIRROR = Path(_mirror) if _mirror else ROOT.parent / "shared" / "data"
 BIN = Path(sys.executable).parent
 CACHE = ROOT / ".cache" / "ci-run"

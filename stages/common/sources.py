@@ -1,7 +1,9 @@
 """Known raw inputs: where each file lives in a local mirror, where it is published, and its sha256.
 
-A mirror (`PIPELINE_DATA_MIRROR`) is a directory laid out like the `mirror` paths below. A file found
-there, or downloaded from `url`, is used only when its sha256 matches.
+A mirror (`PIPELINE_DATA_MIRROR`) is a directory laid out like the `mirror` paths below; `python -m
+pipelines.mirror DIR` builds one from the public sources. Every source is pinned: a URL at a git commit
+(GitHub, the Hugging Face hub) or a versioned release. A file found in a mirror, downloaded from `url` or
+taken out of its `archive` is used only when its sha256 matches.
 """
 
 from __future__ import annotations
@@ -10,11 +12,26 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class RawFile:
-    mirror: str  # path inside a mirror directory
-    url: str | None  # canonical public location (None: only from the datasets hub or a mirror)
+class Archive:
+    """A published zip file or tarball that holds raw files (`RawFile.member`)."""
+
+    url: str
     sha256: str
     size: int
+
+    @property
+    def name(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True)
+class RawFile:
+    mirror: str  # path inside a mirror directory
+    url: str | None  # canonical public location of the file itself (None: inside `archive`)
+    sha256: str
+    size: int
+    archive: Archive | None = None  # the published archive that holds it, at `member`
+    member: str | None = None
 
 
 _CHAR_RNN = "https://raw.githubusercontent.com/karpathy/char-rnn/6f9487a6fe5b420b7ca9afb0d7c078e37c1d1b4e"
@@ -27,32 +44,31 @@ TINYSHAKESPEARE = RawFile(
     1115394,
 )
 
-# WikiText-2 raw (Merity et al. 2016), the files of the `wikitext-2-raw-v1` release.
+# WikiText-2 raw (Merity et al. 2016), the files of the `wikitext-2-raw-v1` release: its zip as the
+# ggml-org/ci dataset on the Hugging Face hub keeps it (the file llama.cpp's scripts/get-wikitext-2.sh fetches).
+WIKITEXT2_ZIP = Archive(
+    "https://huggingface.co/datasets/ggml-org/ci/resolve/927b3642933080f1b0e811e2f916e14c292992f9/"
+    "wikitext-2-raw-v1.zip",
+    "ef7edb566e3e2b2d31b29c1fdb0c89a4cc683597484c3dc2517919c615435a11",
+    4721645,
+)
 WIKITEXT2 = {
-    "train": RawFile(
-        "wikitext-2-raw/wiki.train.raw",
-        None,
-        "6707892fa3788b5ab9ed78ab5ff37d9fe825f6011a2ad4fcd6a6d467f0e7da57",
-        10940747,
-    ),
-    "val": RawFile(
-        "wikitext-2-raw/wiki.valid.raw",
-        None,
-        "4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7",
-        1146846,
-    ),
-    "test": RawFile(
-        "wikitext-2-raw/wiki.test.raw",
-        None,
-        "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08",
-        1290590,
-    ),
+    split: RawFile(f"wikitext-2-raw/{name}", None, sha, size, WIKITEXT2_ZIP, f"wikitext-2-raw/{name}")
+    for split, name, sha, size in [
+        ("train", "wiki.train.raw", "6707892fa3788b5ab9ed78ab5ff37d9fe825f6011a2ad4fcd6a6d467f0e7da57", 10940747),
+        ("val", "wiki.valid.raw", "4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7", 1146846),
+        ("test", "wiki.test.raw", "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08", 1290590),
+    ]
 }
 WIKITEXT2_HUB = ("wikitext", "wikitext-2-raw-v1")
 
-# Stanford Alpaca, a fixed 5,000-record subset (CC BY-NC 4.0); the full set comes from the hub.
+# Stanford Alpaca, a fixed 5,000-record subset (CC BY-NC 4.0) published in zjunlp/EasyInstruct; the full
+# set comes from the hub.
 ALPACA_5K = RawFile(
-    "alpaca-5k/alpaca_data_5k.jsonl", None, "f0c5a51b4ed46c768c2eb617d29598bfe28dc4f4604dbbb5039016b7ae69aa39", 2039290
+    "alpaca-5k/alpaca_data_5k.jsonl",
+    "https://raw.githubusercontent.com/zjunlp/EasyInstruct/e130e29706ce232c2985c920ae6656b4eca2c664/data/alpaca_data_5k.jsonl",
+    "f0c5a51b4ed46c768c2eb617d29598bfe28dc4f4604dbbb5039016b7ae69aa39",
+    2039290,
 )
 ALPACA_HUB = "tatsu-lab/alpaca"
 
@@ -102,3 +118,9 @@ def planetoid_files(name: str) -> dict[str, RawFile]:
 
 
 PLANETOID_NAMES = tuple(_PLANETOID_SUMS)
+
+
+def all_files() -> tuple[RawFile, ...]:
+    """Every known raw file: what a complete mirror holds."""
+    graphs = [raw for name in PLANETOID_NAMES for raw in planetoid_files(name).values()]
+    return (TINYSHAKESPEARE, *WIKITEXT2.values(), ALPACA_5K, *graphs)
