@@ -14,11 +14,18 @@ MLFLOW_PORT ?= 5000
 
 .PHONY: run lint test test-system venv mirror dag bench mlflow-ui html-report plots exp-show push pull lock clean
 
+# .venv is made by Python 3.11 only: the version requirements.lock was resolved for.
+NOT_PYTHON_311 = make: .venv needs Python 3.11; $(if $(PYTHON),PYTHON=$(PYTHON) is \
+  $$($(PYTHON) --version 2>&1 | head -n 1),there is no python3.11 or python3 on PATH): install it \
+  (apt-get install python3.11-venv) or name one: make PYTHON=/path/to/python3.11 $(MAKECMDGOALS)
+
 # Packages installed without byte-code, then compiled by compileall on every core (pip compiles one file
 # after another: half of the install on 2 cores). torch ships one test helper in Python 3.12 syntax, which
 # pip's own compile passes over as well. pipelines/gc-threshold.pth: the garbage collector's thresholds of
 # every Python in .venv (that file says why).
 $(STAMP): requirements.lock pyproject.toml pipelines/gc-threshold.pth
+	@test -x $(VENV)/bin/python || [[ "$$($(PYTHON) --version 2>&1)" == "Python 3.11."* ]] || \
+	  { echo "$(NOT_PYTHON_311)" >&2; exit 1; }
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip==24.3.1
 	$(VENV)/bin/pip install --quiet --no-compile --retries 1 torch==2.13.0 $(TORCH_INDEX)
@@ -101,7 +108,7 @@ html-report: $(STAMP)
 # KEEP='<regex>' keeps the params or dependencies it matches, e.g. KEEP='pretrain\.train\.lr$$'.
 # (the params sections: stages.common.config.STAGE_SECTIONS, read when the target runs)
 STAGE_SECTIONS = $(shell python -c "from stages.common.config import STAGE_SECTIONS as s; print('|'.join(s))")
-exp-show:
+exp-show: $(STAMP)
 	dvc exp show --no-pager --drop '($(STAGE_SECTIONS))\.|(stages|pipelines|containers)/|data/[^:]*$$' $(if $(KEEP),--keep '$(KEEP)')
 
 # DVC's plots of the last run, offline: dvc_plots/index.html (plain `dvc plots show` loads Vega from a CDN).
@@ -111,12 +118,12 @@ plots: $(PLOTS_TEMPLATE)
 # The results to the DVC remote, so that other machines pull them and `dvc repro --pull` restores any stage
 # run here from the run cache: dvc push, dvc push --run-cache, and the files those leave behind
 # (pipelines/share.py).
-push:
+push: $(STAMP)
 	python -m pipelines.share push
 
 # Elsewhere: dvc pull, then every out hashed from its bytes against dvc.lock; a damaged object of DVC's
 # cache is fetched again (pipelines/share.py).
-pull:
+pull: $(STAMP)
 	python -m pipelines.share pull
 
 # Re-resolve requirements.in and pin the result (torch stays at the version the Makefile installs).

@@ -29,7 +29,9 @@ is broken. tests/test_e2e_verify.py breaks each link and runs the mend printed f
 prints per out `identical` (the same md5), `within the recorded tolerance` (it differs, and every
 reproduced result in it, a results.json row, is within its tolerance of the other run's), or `differs`;
 and `measured` for the files under measured/ (timings and memory, which differ from run to run by
-nature: not compared).
+nature: not compared). The other run's results are read from its folder only (its outs beside its
+dvc.lock); a lock file by another name (published.lock) comes without them and is compared by its records
+only, which its first line says: an out whose md5 differs is then `differs`.
 """
 
 from __future__ import annotations
@@ -461,26 +463,55 @@ def check_environment(root: Path, lock: dict, r: Report) -> None:
             r.ok("environment", f"the packages installed here are those of {whose}")
 
 
+def against_source(root: Path, against: Path) -> tuple[Path, Path | None]:
+    """The other run's dvc.lock, and the folder that holds its outs: a run's folder (`against` itself, or the
+    folder of a file named dvc.lock). Any other lock file comes without its outs (None: compared by its records
+    only), as does one in this repository, whose outs there are this run's. This run's own dvc.lock or
+    folder is no other run: ValueError, with what to give instead."""
+    if against.is_dir():
+        lock, folder = against / "dvc.lock", against
+    else:
+        lock, folder = against, against.parent if against.name == "dvc.lock" else None
+    if lock.resolve() == (root / "dvc.lock").resolve():
+        raise ValueError(
+            f"--against {against}: that is this run's own dvc.lock; give another run's folder (its dvc.lock "
+            "and outs) or a copy of its dvc.lock"
+        )
+    if folder is not None and folder.resolve() == root.resolve():
+        folder = None
+    return lock, folder
+
+
 def compare(root: Path, lock: dict, against: Path) -> int:
-    """Per out of this run: identical, within the recorded tolerance, or differs from the other run's."""
-    other_root = against if against.is_dir() else against.parent
-    other_lock = parse_yaml((against / "dvc.lock" if against.is_dir() else against).read_text())
+    """Per out of this run: identical, within the recorded tolerance, or differs from the other run's. The
+    tolerance is read from the other run's outs, never from this workspace's: a lock file without its outs
+    is compared by its records (md5) only, and says so."""
+    other_lock_file, other_root = against_source(root, against)
+    other_lock = parse_yaml(other_lock_file.read_text())
+    if other_root is None:
+        print(
+            f"by records only: {against} comes without its run's outs, so an out whose md5 differs is `differs`, "
+            "its results not compared within their tolerance (--against the other run's folder compares them)"
+        )
     theirs = lock_outs(other_lock)
     counts = {"identical": 0, "within the recorded tolerance": 0, "differs": 0, "measured": 0}
     for path, (_, md5) in sorted(lock_outs(lock).items()):
         if path not in theirs:
             print(f"{'absent':<29} {path} (not in {against})")
             continue
+        where = ""
         if path.startswith(f"{MEASURED_DIR}/"):
             verdict = "measured"  # timings and memory of each run: not expected to agree
         elif theirs[path][1] == md5:
             verdict = "identical"
-        elif within_tolerance(root / path, other_root / path):
+        elif other_root is not None and within_tolerance(root / path, other_root / path):
             verdict = "within the recorded tolerance"
         else:
             verdict = "differs"
+            if other_root is not None and not (other_root / path).exists():
+                where = f" (not in {other_root})"
         counts[verdict] += 1
-        print(f"{verdict:<29} {path}")
+        print(f"{verdict:<29} {path}{where}")
     print(", ".join(f"{n} {k}" for k, n in counts.items()))
     return 0 if counts["differs"] == 0 else 1
 
@@ -572,6 +603,11 @@ def main(argv=None) -> int:
     root = args.root.resolve()
     if args.against is not None and not (args.against.is_file() or (args.against / "dvc.lock").is_file()):
         parser.error(f"--against {args.against}: no dvc.lock there")
+    if args.against is not None:
+        try:
+            against_source(root, args.against)
+        except ValueError as e:
+            parser.error(str(e))
     try:
         lock = parse_yaml((root / "dvc.lock").read_text()) or {}
     except (OSError, yaml.YAMLError) as e:

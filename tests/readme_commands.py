@@ -24,7 +24,11 @@ HOW: dict[str, tuple[str, str]] = {
     "make run": ("marked", LONG_DAG),
     "snakemake --profile pipelines/profiles/local -n": ("run", "a dry run: after the pipeline, nothing to do"),
     "python -m pipelines.preset ci": ("marked", "every clone the tests make runs it (tests/shared_run.py: make_clone)"),
-    "git checkout params.yaml": ("marked", "undoes a preset in the user's repository"),
+    "git clone <repository URL> pipelines && cd pipelines": (
+        "marked",
+        "network: a clone (tests/shared_run.py makes each test's repository from the working tree)",
+    ),
+    "git checkout params.yaml dvc.lock measured": ("marked", "undoes a preset's run in the user's repository"),
     "make test": ("marked", "CI's own command"),
     "make mirror DIR=$HOME/pipeline-data": ("make", ""),
     "PIPELINE_DATA_MIRROR=$HOME/pipeline-data make test": ("marked", "CI's own command, on a mirror"),

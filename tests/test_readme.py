@@ -18,7 +18,7 @@ from conftest import ROOT
 
 COMMANDS = readme_commands.commands()
 # Programs a README command may start with, beyond the ones checked one by one below.
-SHELL = {"source", "cat", "git", "export"}
+SHELL = {"source", "cd", "cat", "git", "export"}
 SYSTEM = {"podman", "apptainer", "docker"}  # container tools: optional here
 
 
