@@ -225,3 +225,53 @@ def test_a_layout_the_processes_cannot_form_is_refused_with_the_key():
     cfg = train_config.build(tensor_parallel=2, strategy="fsdp")
     with pytest.raises(ValueError, match="tensor_parallel: 2 does not divide the 3 processes"):
         Layout.of(cfg, runtime.Runtime(0, 3, 0, 3, torch.device("cpu")))
+
+
+def test_a_batch_is_shared_by_any_process_count_that_divides_it():
+    """The params fix the global batch and the largest micro-batch; the processes and the accumulation
+    follow: every process count that divides batch_size runs the same step (each micro-batch as large as
+    its share allows, at most micro_batch_size), and one that does not is refused naming those that do."""
+    from stages.common import train_config
+
+    cfg = train_config.build(batch_size=16, micro_batch_size=8)
+    layouts = {p: (train_config.micro_batch(cfg, p), train_config.grad_accum_steps(cfg, p)) for p in (1, 2, 4, 8, 16)}
+    assert layouts == {1: (8, 2), 2: (8, 1), 4: (4, 1), 8: (2, 1), 16: (1, 1)}
+    assert all(p * micro * accum == 16 for p, (micro, accum) in layouts.items())
+    odd = train_config.build(batch_size=12, micro_batch_size=5)
+    assert (train_config.micro_batch(odd, 1), train_config.grad_accum_steps(odd, 1)) == (4, 3)
+    with pytest.raises(
+        ValueError,
+        match=r"batch_size \(16 sequences per step\) cannot be shared evenly by 3 data-parallel "
+        r"processes; it can by 1, 2, 4, 8, 16: run on one of those, or set batch_size to a multiple of 3",
+    ):
+        train_config.micro_batch(cfg, 3)
+
+
+# The process counts each training stage's shipped params run on: one GPU, 2 CPU processes, 4, a node of 8.
+# extend_context's tiny default fine-tunes on 4 sequences per step, which 8 processes cannot share.
+PROCESS_COUNTS = {"pretrain": (1, 2, 4, 8), "extend_context": (1, 2, 4), "finetune_qlora": (1, 2, 4, 8)}
+
+
+@pytest.mark.parametrize("source", sorted(shipped_params()))
+def test_every_shipped_train_section_runs_on_the_process_counts_it_targets(source):
+    """Each training stage's params, in params.yaml and every preset, pass the checks a run makes once its
+    processes are known (layout and batch) on the process counts it targets, and 8 processes either run
+    it or are refused in one line naming the counts that do."""
+    import torch
+
+    from stages.common import runtime
+    from stages.common.train_config import TrainConfig
+
+    data = shipped_params()[source]
+    for section, counts in PROCESS_COUNTS.items():  # (memory_study measures one process at a time)
+        train = config.build(stage_configs([section])[section], section, data[section], source).train
+        assert isinstance(train, TrainConfig)
+        degree = train.tensor_parallel * train.pipeline_parallel * train.data_parallel_replicate
+        device = torch.device("cuda" if train.offload else "cpu")  # (offload is a GPU preset's)
+        for processes in (p for p in (1, 2, 4, 8) if p % degree == 0 and (p > 1 or not train.offload)):
+            rt = runtime.Runtime(0, processes, 0, processes, device)
+            if processes in counts or train.batch_size % (processes // degree) == 0:
+                train.check_layout(f"{section}.train", rt)
+            else:
+                with pytest.raises(config.UserError, match=rf"{section}.train.batch_size .* it can by 1, 2, 4"):
+                    train.check_layout(f"{section}.train", rt)

@@ -120,10 +120,6 @@ def test_the_rows_and_figures_follow_the_longest_context(tokenized, tmp_path):
             "memory_study.techniques.odd.optimizer: unknown optimizer 'sgd'",
         ),
         ({"techniques": {"baseline": {}, "odd": {"lrr": 1}}}, "unknown key memory_study.techniques.odd.lrr; valid"),
-        (
-            {"techniques": {"baseline": {}, "odd": {"micro_batch_size": 3}}},
-            "memory_study.techniques.odd.batch_size (2) must be a multiple of micro_batch_size x processes (3 x 1)",
-        ),
         ({"contexts": [64, 4096]}, "contexts must be lengths between 2 and model.max_position_embeddings (256)"),
     ],
 )

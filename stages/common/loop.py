@@ -40,7 +40,7 @@ from stages.common.losses import IGNORE_INDEX, global_target_count, lm_loss, voc
 from stages.common.mesh import Layout
 from stages.common.optim import clip_grad_norm, lr_at, make_grad_scaler, make_optimizer, optimizer_state_bytes
 from stages.common.parallel import all_reduce_grads, checkpoint_activations, replicated_params, wrap
-from stages.common.train_config import REDUCE_DTYPES, TrainConfig, grad_accum_steps
+from stages.common.train_config import REDUCE_DTYPES, TrainConfig, grad_accum_steps, micro_batch
 from stages.models.llama import tensor_parallel_problem
 
 if TYPE_CHECKING:
@@ -111,13 +111,10 @@ def evaluate(
     total = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss sum, target count
     layout = layout or Layout.of(cfg, rt)
     dp_rank, dp_size = layout.data_rank, layout.data_size
-    accum = grad_accum_steps(cfg, dp_size)
+    accum, size = grad_accum_steps(cfg, dp_size), micro_batch(cfg, dp_size)
     for b in range(cfg.eval_batches):
         if pipe is not None:  # the step's micro-batches through the pipeline; the last stage has the loss
-            micro = [
-                windows.batch(-1 - b, (m * dp_size + dp_rank) * cfg.micro_batch_size, cfg.micro_batch_size)
-                for m in range(accum)
-            ]
+            micro = [windows.batch(-1 - b, (m * dp_size + dp_rank) * size, size) for m in range(accum)]
             x, y = torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
             with autocast(cfg, rt):
                 loss = pipe.run(x.to(rt.device), y.to(rt.device), 1.0, train=False)
@@ -127,8 +124,7 @@ def evaluate(
                 beat()
             continue
         for m in range(accum):
-            index = (m * dp_size + dp_rank) * cfg.micro_batch_size
-            x, y = windows.batch(-1 - b, index, cfg.micro_batch_size)
+            x, y = windows.batch(-1 - b, (m * dp_size + dp_rank) * size, size)
             with autocast(cfg, rt), vocab_parallel_loss(cfg):
                 loss = lm_loss(
                     model, x.to(rt.device), y.to(rt.device), reduction="sum", compile_mode=cfg.loss_compile_mode
@@ -234,16 +230,13 @@ def step(tr: Trainer, index: int) -> Step:
     share) through forward and backward, gradients reduced and clipped, the update."""
     cfg, rt, model, optimizer, scaler, pipe = tr.cfg, tr.rt, tr.model, tr.optimizer, tr.scaler, tr.pipe
     dp_rank, dp_size = tr.layout.data_rank, tr.layout.data_size
-    accum = grad_accum_steps(cfg, dp_size)
+    accum, size = grad_accum_steps(cfg, dp_size), micro_batch(cfg, dp_size)
     t0, cpu0 = time.perf_counter(), time.process_time()
     lr = lr_at(index, cfg)
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros((), device=rt.device)
-    micro = [
-        tr.train_windows.batch(index, (m * dp_size + dp_rank) * cfg.micro_batch_size, cfg.micro_batch_size)
-        for m in range(accum)
-    ]
+    micro = [tr.train_windows.batch(index, (m * dp_size + dp_rank) * size, size) for m in range(accum)]
     # Each micro-batch's summed loss over the step's target count: the gradients, averaged over the
     # data-parallel ranks by DDP/FSDP, are those of the mean loss per target token of the whole global
     # batch. (The count is summed over all ranks: tensor-parallel ranks count the same batch, so

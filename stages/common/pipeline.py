@@ -44,9 +44,9 @@ def layout_problem(n_layers: int, stages: int, micro_batches: int, tied_embeddin
         return f"the model's {n_layers} decoder layers are not divisible by pipeline_parallel {stages}"
     if micro_batches < stages:
         return (
-            f"a step has {micro_batches} micro-batches per pipeline (batch_size / (micro_batch_size x "
-            f"data-parallel processes)), fewer than its {stages} stages: the pipeline would idle; raise "
-            f"batch_size or lower micro_batch_size"
+            f"a step has {micro_batches} micro-batches per pipeline (batch_size / data-parallel processes, in "
+            f"micro-batches of at most micro_batch_size), fewer than its {stages} stages: the pipeline would idle; "
+            f"raise batch_size or lower micro_batch_size"
         )
     return None
 

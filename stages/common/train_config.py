@@ -214,15 +214,30 @@ class AdapterTrainConfig(TrainConfig):
     FROZEN_BASE: ClassVar[bool] = True
 
 
-def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
-    """Micro-batches per optimizer step with `world_size` data-parallel processes."""
-    per_step = cfg.micro_batch_size * world_size
-    if cfg.batch_size % per_step:
+# The most data-parallel processes named when a batch cannot be shared (one node of 8 GPUs, and 2 to 4 nodes)
+MAX_NAMED_PROCESSES = 32
+
+
+def micro_batch(cfg: TrainConfig, data_size: int) -> int:
+    """The sequences each of `data_size` data-parallel processes puts through one forward and backward: the
+    largest number that divides its share of the global batch (batch_size / data_size) and is at most
+    micro_batch_size. The params fix the global batch and the largest micro-batch (a memory bound); the
+    processes and the accumulation follow, so the same params train the same way on 1, 2, 4 or 8 of them.
+    ValueError, naming the process counts that work, when the batch cannot be shared evenly."""
+    if cfg.batch_size % data_size:
+        counts = [n for n in range(1, min(cfg.batch_size, MAX_NAMED_PROCESSES) + 1) if cfg.batch_size % n == 0]
         raise ValueError(
-            f"batch_size ({cfg.batch_size}) must be a multiple of micro_batch_size x processes "
-            f"({cfg.micro_batch_size} x {world_size}); change batch_size or micro_batch_size"
+            f"batch_size ({cfg.batch_size} sequences per step) cannot be shared evenly by {data_size} data-parallel "
+            f"processes; it can by {', '.join(map(str, counts))}: run on one of those, or set batch_size to a "
+            f"multiple of {data_size}"
         )
-    return cfg.batch_size // per_step
+    share = cfg.batch_size // data_size
+    return max(m for m in range(1, min(share, cfg.micro_batch_size) + 1) if share % m == 0)
+
+
+def grad_accum_steps(cfg: TrainConfig, data_size: int) -> int:
+    """Micro-batches per optimizer step on each of `data_size` data-parallel processes (see micro_batch)."""
+    return cfg.batch_size // data_size // micro_batch(cfg, data_size)
 
 
 # A small valid run (the tests' and benches' starting point): build(**keys) sets what they vary.
