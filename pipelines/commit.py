@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from pipelines.dag import parse_yaml
+from stages.common import contract
 
 LOCK_FILE = Path("dvc.lock")
 GOOD_COPY = Path(".snakemake/dvc.lock.good")
@@ -153,14 +154,8 @@ def hold_pipeline_lock(path: Path = PIPELINE_LOCK) -> str | None:
     global _held_pipeline_lock
     if _held_pipeline_lock is not None:  # this process holds it already (the Snakefile loaded again)
         return None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "unknown"
-        handle.close()
+    handle, holder = contract.try_lock(path)
+    if handle is None:
         return f"another pipeline is running in this directory ({holder})"
     handle.seek(0)
     handle.truncate()

@@ -249,6 +249,24 @@ def test_a_checkpoint_copy_that_fails_on_one_rank_fails_the_save_on_every_rank(t
     run_probe("checkpoint_failure_probe.py", [tmp_path / "ckpts"], tmp_path, nproc=2)
 
 
+def two_checkpoints(folder) -> runtime.Runtime:
+    """Checkpoints of steps 1 and 2 of a small model and its AdamW (lr 0.1) in `folder`; the runtime."""
+    import torch
+
+    rt = runtime.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    saver = checkpointer.Checkpointer(folder, every=1, steps=4, rt=rt)
+    state = checkpointer.TrainState()
+    for done in (1, 2):
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        state.step = done
+        saver.step_done(state, model, optimizer)
+    return rt
+
+
 def test_a_checkpoint_whose_dcp_metadata_would_run_code_is_passed_over(tmp_path, capsys):
     """DCP's state/.metadata is a pickle that torch's own reader loads with pickle.load. One crafted to run
     code, with its manifest rewritten to match (or deleted), is never unpickled: the checkpoint is named as
@@ -258,17 +276,7 @@ def test_a_checkpoint_whose_dcp_metadata_would_run_code_is_passed_over(tmp_path,
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    rt = runtime.init()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    saver = checkpointer.Checkpointer(tmp_path / "ckpt", every=1, steps=4, rt=rt)
-    state = checkpointer.TrainState()
-    for done in (1, 2):
-        model(torch.randn(3, 4)).sum().backward()
-        optimizer.step()
-        state.step = done
-        saver.step_done(state, model, optimizer)
+    rt = two_checkpoints(tmp_path / "ckpt")
     newest = tmp_path / "ckpt/step-2"
     metadata = ckpt.read_metadata(newest / "state/.metadata")  # what DCP writes reads as data
     metadata.planner_data = RunsCode(tmp_path / "code-ran")
@@ -304,17 +312,7 @@ def test_a_checkpoint_item_that_would_run_code_is_never_unpickled(tmp_path, caps
     from conftest import craft_checkpoint_item
     from torch.distributed.checkpoint.api import CheckpointException
 
-    rt = runtime.init()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    saver = checkpointer.Checkpointer(tmp_path / "ckpt", every=1, steps=4, rt=rt)
-    state = checkpointer.TrainState()
-    for done in (1, 2):
-        model(torch.randn(3, 4)).sum().backward()
-        optimizer.step()
-        state.step = done
-        saver.step_done(state, model, optimizer)
+    rt = two_checkpoints(tmp_path / "ckpt")
     newest, marker = tmp_path / "ckpt/step-2", tmp_path / "code-ran"
     item = craft_checkpoint_item(newest, marker)
     problem = ckpt.checkpoint_problem(newest)

@@ -7,11 +7,9 @@ import json
 from pathlib import Path
 
 
-def pickled_weights(folder: str | Path, adapter: bool = False) -> str | None:
-    """Why the folder's weights are not loaded, as "<cause>; <fix>": they are pickled only (pytorch_model.bin
-    or its shards, adapter_model.bin), with no safetensors beside them. Unpickling a file can run any code
-    it holds, so the stages load safetensors only (from_pretrained(..., use_safetensors=True)). None when
-    safetensors are there, or no weights at all (weights_problem says so)."""
+def weight_files(adapter: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(safetensors, pickled) names of a model folder's weights, or a PEFT adapter folder's: the single file,
+    then the index of shards. (transformers is imported here, by the stages that read model folders.)"""
     from transformers.utils import (
         ADAPTER_SAFE_WEIGHTS_NAME,
         ADAPTER_WEIGHTS_NAME,
@@ -21,9 +19,18 @@ def pickled_weights(folder: str | Path, adapter: bool = False) -> str | None:
         WEIGHTS_NAME,
     )
 
+    if adapter:
+        return (ADAPTER_SAFE_WEIGHTS_NAME,), (ADAPTER_WEIGHTS_NAME,)
+    return (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME), (WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+
+
+def pickled_weights(folder: str | Path, adapter: bool = False) -> str | None:
+    """Why the folder's weights are not loaded, as "<cause>; <fix>": they are pickled only (pytorch_model.bin
+    or its shards, adapter_model.bin), with no safetensors beside them. Unpickling a file can run any code
+    it holds, so the stages load safetensors only (from_pretrained(..., use_safetensors=True)). None when
+    safetensors are there, or no weights at all (weights_problem says so)."""
     folder = Path(folder)
-    safe = (ADAPTER_SAFE_WEIGHTS_NAME,) if adapter else (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)
-    pickled = (ADAPTER_WEIGHTS_NAME,) if adapter else (WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+    safe, pickled = weight_files(adapter)
     found = [name for name in pickled if (folder / name).is_file()]
     if not found or any((folder / name).is_file() for name in safe):
         return None
@@ -37,21 +44,8 @@ def pickled_weights(folder: str | Path, adapter: bool = False) -> str | None:
 def weights_problem(folder: str | Path, adapter: bool = False) -> str | None:
     """What a Hugging Face model folder (or PEFT adapter folder) lacks of its weights: every weight file
     (single or sharded), or a shard its index names. None when they are all there."""
-    from transformers.utils import (
-        ADAPTER_SAFE_WEIGHTS_NAME,
-        ADAPTER_WEIGHTS_NAME,
-        SAFE_WEIGHTS_INDEX_NAME,
-        SAFE_WEIGHTS_NAME,
-        WEIGHTS_INDEX_NAME,
-        WEIGHTS_NAME,
-    )
-
     folder = Path(folder)
-    names = (
-        (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
-        if adapter
-        else (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
-    )
+    names = tuple(name for kind in weight_files(adapter) for name in kind)
     found = [name for name in names if (folder / name).is_file()]
     if not found:
         return f"has no weights ({' or '.join(names)})"
