@@ -4,6 +4,7 @@ prerequisites), never in the repository: nothing here builds or touches the real
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -33,7 +34,10 @@ def fresh(tmp_path):
 
 
 def make(folder, *args) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "--no-print-directory", *args], cwd=folder, capture_output=True, text=True)
+    # (as a make of its own, not a sub-make of `make test`: its messages then read `make: ...`, not `make[1]: ...`)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    cmd = ["make", "--no-print-directory", *args]
+    return subprocess.run(cmd, cwd=folder, capture_output=True, text=True, env=env)
 
 
 def fake_python(folder, version: str):
