@@ -134,24 +134,6 @@ def test_single_node_stage_keeps_a_standalone_rendezvous(monkeypatch):
     assert "--standalone" in cmd and "srun" not in cmd
 
 
-def test_a_layout_the_processes_cannot_form_is_refused_before_any_start(monkeypatch):
-    monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
-    env = {"PIPELINE_NPROC_PER_NODE": "2"}
-    cmd = launch.command("pretrain", ["--input", "data/tokenize", "train.tensor_parallel=2"], env)
-    assert "--nproc-per-node=2" in cmd and cmd[-1] == "train.tensor_parallel=2"
-    assert launch.command("pretrain", ["pretrain.train.pipeline_parallel=2"], env)
-    with pytest.raises(SystemExit, match="starts 2 processes .*tensor_parallel: 4 does not divide the 2 processes"):
-        launch.command("pretrain", ["train.tensor_parallel=4"], env)
-    four = {"PIPELINE_NPROC_PER_NODE": "4"}
-    assert launch.command("pretrain", ["train.pipeline_parallel=2"], four)  # two pipelines of 2 stages
-    with pytest.raises(SystemExit, match="starts 4 processes .*data_parallel_replicate: 3 does not divide the 4"):
-        launch.command("pretrain", ["train.strategy=fsdp", "train.data_parallel_replicate=3"], four)
-    with pytest.raises(SystemExit, match="2 data-parallel x 2 tensor-parallel; .* set strategy fsdp"):
-        launch.command("pretrain", ["train.tensor_parallel=2"], four)
-    # a bad value is the stage's to report, with its own message
-    assert launch.command("pretrain", ["train.tensor_parallel=many"], env)
-
-
 def test_a_process_count_that_is_not_a_positive_integer_is_one_line_before_any_start(tmp_path, monkeypatch, capsys):
     """PIPELINE_NPROC_PER_NODE=abc (or 0, or -1): the launcher ends with one line naming the variable and what
     it takes, exit code 2, before it starts anything."""
