@@ -215,6 +215,7 @@ def test_a_layout_places_each_rank_where_the_device_mesh_does(world, keys):
         assert layout.processes == world and layout.data_size == grid.shape[1] * grid.shape[2]
         assert layout.data_rank == replicate * grid.shape[2] + shard
         assert layout.pipeline_rank == pp and layout.stage_size == world // grid.shape[0]
+        assert layout.leads_stage == (replicate == shard == tp == 0)
         assert layout.splits_model == (grid.shape[0] * grid.shape[3] > 1) and layout.data_parallel
         assert Layout.over(cfg, world, rank) == layout  # (before any process starts: the launcher's)
 

@@ -125,6 +125,11 @@ class Layout:
         return self.data_size * self.tensor
 
     @property
+    def leads_stage(self) -> bool:
+        """Whether this process is the first of its pipeline stage (data-parallel and tensor-parallel place 0)."""
+        return self.rank % self.stage_size == 0
+
+    @property
     def pipeline_rank(self) -> int:
         """This process's pipeline stage (0 without pipeline parallel; mesh order: pipeline first)."""
         return self.rank // self.stage_size

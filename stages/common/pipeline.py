@@ -83,8 +83,7 @@ class Pipeline:
             module = shard_stage(module, cfg, rt, layout)
         # One process per stage sends its part when the model is published (its copies and tensor-parallel
         # peers hold the same part).
-        others = ("dp_replicate", "dp_shard", "tp")
-        setattr(model, PUBLISHER, procs is None or all(procs[d].get_local_rank() == 0 for d in others))
+        setattr(model, PUBLISHER, layout.leads_stage)
         pipe_stage = PipelineStage(module, self.stage, stages, rt.device, group=self.group)
         kind = ScheduleGPipe if cfg.pipeline_schedule == "gpipe" else Schedule1F1B
         self.schedule = kind(pipe_stage, micro_batches, loss_fn=self._loss, scale_grads=False)
