@@ -61,11 +61,11 @@ WRAPPER = (
 def overrides(vocab: int, base: Path, tiny: bool = False) -> list[str]:
     """The bench's params over the ci preset, as section.key=value (`tiny`: the ci preset's own model and
     context, for the process baseline)."""
-    out = [f"tokenize.vocab_size={vocab}", f"finetune_qlora.base={base}", "finetune_qlora.template=alpaca"]
+    out = [f"tokenize.vocab_size={vocab}", f"finetune_qlora.base={base}"]
     if not tiny:
         out += [f"pretrain.model.{k}={v}" for k, v in MODEL.items()]
         out += ["pretrain.model.max_position_embeddings=256", "pretrain.context_length=256"]
-        out += ["finetune_qlora.seq_length=256"]
+        out += ["finetune_qlora.seq_length=256", "finetune_qlora.template=alpaca"]
     out += [f"pretrain.train.{k}={v}" for k, v in TRAIN.items()]
     out += [f"finetune_qlora.train.{k}={v}" for k, v in {**TRAIN, "batch_size": 4, "micro_batch_size": 4}.items()]
     return out

@@ -114,3 +114,21 @@ def test_the_command_line_refuses_with_exit_code_2(capsys):
     out, err = capsys.readouterr()
     assert code == 2 and "finetune_qlora@nf4" in out
     assert err.strip().count("\n") == 0 and "against 24 GiB" in err
+
+
+def test_the_launcher_on_cpus_neither_plans_nor_loads_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; from pipelines import launch; "
+    code += "print(launch.memory_problem('pretrain', [], 2, 1, {}), 'torch' in sys.modules)"
+    env = {"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["None", "False"], proc.stderr[-3000:]
+
+
+def test_the_launchers_check_reads_the_stage_arguments():
+    args = ["--input", "data/tokenize", "--params", PARAMS, "train.batch_size=64", "train.micro_batch_size=64"]
+    line = plan.launch_check("pretrain", args, 1, 1, gpu_mem=2, host_mem=64)
+    assert line.startswith("plan: pretrain needs ") and "pretrain.train.activation_checkpointing" in line, line
+    assert plan.launch_check("pretrain", args[:4], 1, 1, gpu_mem=2, host_mem=64) is None
