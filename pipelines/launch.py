@@ -9,7 +9,10 @@ GPUs, a stage that asks for GPUs gets one process per visible GPU, up to `gpus_p
 `PIPELINE_NPROC_PER_NODE` overrides the process count for every stage. A training stage whose `train`
 section the processes cannot run (a parallel layout, tensor_parallel x pipeline_parallel, they cannot
 form; a global batch they cannot share evenly) is refused here before any process starts, with the line
-the stage's own check ends with (stages.common.train_config: TrainConfig.refusal), exit code 2.
+the stage's own check ends with (stages.common.train_config: TrainConfig.refusal), exit code 2. On GPUs,
+a training stage that the memory planner (pipelines.plan) finds too large for the GPUs' memory or the
+node's host memory (its memory request inside SLURM) is refused too, in one line naming the figure, the
+limit and the key to change (exit code 2); on CPUs the planner is not consulted.
 
 Inside a SLURM allocation of several nodes (a stage with `nodes: N > 1`, submitted by the slurm profile)
 it starts one `torchrun` per node with `srun`, all meeting at a c10d rendezvous on the allocation's
@@ -72,6 +75,9 @@ from stages.common import config, contract, train_config
 
 class Refused(Exception):
     """Input the stage would refuse, found before any process starts: the stage's own line (exit 2)."""
+
+# The training stages the memory planner checks before they start on GPUs.
+PLANNED = ("pretrain", "extend_context", "finetune_qlora")
 
 
 def visible_gpus() -> int:
@@ -176,6 +182,41 @@ def layout_problem(stage: str, args: list[str], processes: int) -> str | None:
     refusals = (train.refusal(where, processes) for where, train in sections.items())
     refusal = next((r for r in refusals if r), None)
     return f"error: {refusal}" if refusal else None
+
+
+def gpu_memory_gib() -> float | None:
+    """The smallest visible GPU's memory in GiB (nvidia-smi), or None when it cannot be read."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"], capture_output=True, text=True
+    )
+    sizes = [float(v) for v in out.stdout.split() if v.replace(".", "", 1).isdigit()]
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None and all(d.strip().isdigit() for d in listed.split(",") if d.strip()):
+        sizes = [sizes[int(d)] for d in listed.split(",") if d.strip() and int(d) < len(sizes)]
+    return min(sizes) / 1024 if out.returncode == 0 and sizes else None
+
+
+def host_memory_gib(stage: str, env: dict) -> float:
+    """The host memory a stage may use per node: its mem_mb inside a SLURM job (the allocation's limit),
+    else the node's MemTotal."""
+    if env.get("SLURM_JOB_ID"):
+        return float(load_table()[stage].resources["mem_mb"]) / 1024
+    with open("/proc/meminfo") as fh:
+        return int(fh.readline().split()[1]) / 2**20
+
+
+def memory_problem(stage: str, args: list[str], nproc: int, nodes: int, env: dict) -> str | None:
+    """The planner's refusal (pipelines.plan) of a training stage on GPUs, or None: it fits, it is not a
+    training stage, or the run is on CPUs (where the planner, which loads torch, is not consulted)."""
+    name, _, item = stage.partition("@")
+    gpus = visible_gpus()
+    if name not in PLANNED or not gpus or not load_table()[name].resources.get("gpus_per_node", 0):
+        return None
+    from pipelines import plan  # (torch and transformers: only here, on GPU machines)
+
+    return plan.launch_check(stage, args, nproc, nodes, gpu_memory_gib(), host_memory_gib(name, env))
 
 
 def processes(stage: str, env: dict) -> tuple[int, int]:
@@ -321,6 +362,11 @@ def main() -> None:
         print(refused, file=sys.stderr, flush=True)
         raise SystemExit(contract.REFUSED_EXIT) from None
     nproc, nodes = processes(sys.argv[1], os.environ)
+    too_big = memory_problem(sys.argv[1], sys.argv[2:], nproc, nodes, os.environ)
+    if too_big:
+        mark_pipeline(sys.argv[1], contract.REFUSED_EXIT)
+        print(f"error: launch: {too_big}", file=sys.stderr, flush=True)
+        raise SystemExit(contract.REFUSED_EXIT)
     print("launch:", " ".join(cmd), file=sys.stderr, flush=True)
     # The child runs in a process group of its own, so Ctrl-C at a terminal reaches it once, through
     # this launcher (torchrun's shutdown breaks on a second signal), and it dies with the launcher:

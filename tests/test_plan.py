@@ -1,0 +1,134 @@
+"""pipelines.plan: every preset fits the machines it targets, a config too large is refused naming the key
+to change, and the planner's shortcuts (the step traced on few layers, the train section's defaults, the
+micro-batch rule) agree with what they stand for. No training: the model lives on fake tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from pipelines import plan, plan_trace
+from pipelines.plan_budget import GIB
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAMS = str(ROOT / "params.yaml")
+# MiB per process before it builds anything: given, so the test measures no child process
+PROCESS_MB = 500
+
+
+def planned(preset: str | None, machine: plan.Machine, stage: str | None = None, overrides=()) -> dict:
+    rows = plan.plan(plan.load_params(PARAMS, preset, list(overrides)), machine, stage)
+    return {r["spec"].name: r for r in rows}
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_the_ci_preset_fits_its_cpu_processes(procs):
+    rows = planned("ci", plan.Machine(procs=procs, process_mb=PROCESS_MB))
+    assert {"pretrain", "extend_context", "finetune_qlora@nf4", "finetune_qlora@none"} <= set(rows)
+    for name, r in rows.items():
+        assert r["refused"] is None, name
+        b = r["budget"]
+        assert b.phases["train"] > PROCESS_MB * 2**20  # the process, plus its tensors
+        assert b.host["train"] == r["layout"].processes * b.phases["train"]
+
+
+def test_llama3_8b_qlora_fits_8_gpus_of_80_gb_with_the_host_memory_its_header_names():
+    machine = plan.Machine(gpus=8, gpu_mem=80, host_mem=48, process_mb=PROCESS_MB)
+    rows = planned("llama3-8b-qlora", machine, "finetune_qlora")
+    for name in ("finetune_qlora@nf4", "finetune_qlora@none"):
+        r = rows[name]
+        assert r["refused"] is None, r["refused"]
+        assert "published shape" in r["origin"] or "config.json" in r["origin"] or "cache" in r["origin"]
+    nf4, none = rows["finetune_qlora@nf4"]["budget"], rows["finetune_qlora@none"]["budget"]
+    assert nf4.phases["train"] < none.phases["train"] < 16 * GIB  # the 4-bit base is the smaller
+    assert nf4.peak_phase == "merge"  # the whole base dequantized to fp32 on rank 0's GPU
+    base = sum(p.numel for p in rows["finetune_qlora@nf4"]["params"] if not p.trainable)
+    assert 8.0e9 < base < 8.1e9  # Llama-3-8B's 8.03B
+
+
+def test_the_stage_resources_host_memory_cannot_hold_the_8b_merge():
+    rows = planned("llama3-8b-qlora", plan.Machine(gpus=8, gpu_mem=80, process_mb=PROCESS_MB), "finetune_qlora@nf4")
+    line = rows["finetune_qlora@nf4"]["refused"]
+    assert line.startswith("plan: finetune_qlora@nf4 needs ") and "(merge)" in line, line
+    assert "finetune_qlora.resources.mem_mb in pipelines/stages.yaml" in line, line
+
+
+def test_a_24_gb_gpu_trains_the_8b_qlora_but_cannot_merge_it():
+    machine = plan.Machine(gpus=1, gpu_mem=24, host_mem=48, process_mb=PROCESS_MB)
+    r = planned("llama3-8b-qlora", machine, "finetune_qlora@nf4")["finetune_qlora@nf4"]
+    assert r["budget"].phases["train"] < 24 * GIB
+    assert "per GPU (merge) against 24 GiB" in r["refused"], r["refused"]
+
+
+def test_an_oversized_micro_batch_is_refused_naming_the_key():
+    machine = plan.Machine(gpus=1, gpu_mem=2, host_mem=64, process_mb=PROCESS_MB)
+    big = ["pretrain.train.batch_size=64", "pretrain.train.micro_batch_size=64"]
+    line = planned(None, machine, "pretrain", big)["pretrain"]["refused"]
+    assert line and "per GPU (train) against 2 GiB" in line, line
+    assert "pretrain.train.activation_checkpointing" in line, line
+    fits = planned(None, machine, "pretrain", [*big, "pretrain.train.micro_batch_size=8"])["pretrain"]
+    assert fits["refused"] is None
+
+
+def test_fsdp_divides_the_state_and_ddp_adds_its_buckets():
+    machine = plan.Machine(procs=2, process_mb=PROCESS_MB)
+    ddp = planned(None, machine, "pretrain")["pretrain"]["budget"].parts
+    fsdp = planned(None, machine, "pretrain", ["pretrain.train.strategy=fsdp"])["pretrain"]["budget"].parts
+    assert fsdp["params"] == pytest.approx(ddp["params"] / 2)
+    assert fsdp["optimizer"] == pytest.approx(ddp["optimizer"] / 2)
+    assert ddp["ddp buckets"] == ddp["gradients"] and "ddp buckets" not in fsdp
+
+
+def test_the_step_traced_on_two_layers_carries_on_to_more():
+    import torch
+
+    mc, _ = plan_trace.model_config(plan.llama_keys(plan.load_params(PARAMS, None, [])["pretrain"]["model"], 4096))
+    for ac, every in (("none", 1), ("full", 1), ("selective", 2)):
+        whole = plan_trace.trace(plan_trace.build(mc, torch.float32), 2, 256, 2, torch.float32, ac, every)
+        k = every if ac == "selective" else 1
+        parts = []
+        for n in (k, 2 * k):
+            small = mc.__class__(**{**mc.to_dict(), "num_hidden_layers": n})
+            parts.append(plan_trace.trace(plan_trace.build(small, torch.float32), 2, 256, 2, torch.float32, ac, every))
+        carried = plan_trace.Extrapolated(parts[0], parts[1], (mc.num_hidden_layers - k) / k)
+        assert carried.peak(1, 1)[0] == pytest.approx(whole.peak(1, 1)[0], rel=0.02), ac
+
+
+def test_the_planner_follows_the_train_section():
+    from stages.common import train_config
+
+    defaults = {f.name: f.default for f in dataclasses.fields(train_config.TrainConfig)}
+    assert {k: defaults[k] for k in plan.TRAIN_DEFAULTS} == plan.TRAIN_DEFAULTS
+    for batch, largest in ((16, 8), (16, 3), (12, 5)):
+        for data in (1, 2, 4):
+            cfg = train_config.build(batch_size=batch, micro_batch_size=largest)
+            expected = (train_config.micro_batch(cfg, data), train_config.grad_accum_steps(cfg, data))
+            assert plan.micro_batch(batch, largest, data) == expected
+
+
+def test_the_command_line_refuses_with_exit_code_2(capsys):
+    code = plan.main(["--gpus", "1", "--gpu-mem", "24", "--host-mem", "48", "--process-mb", str(PROCESS_MB),
+                      "--preset", "llama3-8b-qlora", "--stage", "finetune_qlora@nf4"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 2 and "finetune_qlora@nf4" in out
+    assert err.strip().count("\n") == 0 and "against 24 GiB" in err
+
+
+def test_the_launcher_on_cpus_neither_plans_nor_loads_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; from pipelines import launch; "
+    code += "print(launch.memory_problem('pretrain', [], 2, 1, {}), 'torch' in sys.modules)"
+    env = {"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["None", "False"], proc.stderr[-3000:]
+
+
+def test_the_launchers_check_reads_the_stage_arguments():
+    args = ["--input", "data/tokenize", "--params", PARAMS, "train.batch_size=64", "train.micro_batch_size=64"]
+    line = plan.launch_check("pretrain", args, 1, 1, gpu_mem=2, host_mem=64)
+    assert line.startswith("plan: pretrain needs ") and "pretrain.train.activation_checkpointing" in line, line
+    assert plan.launch_check("pretrain", args[:4], 1, 1, gpu_mem=2, host_mem=64) is None
