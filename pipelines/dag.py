@@ -188,7 +188,13 @@ def for_base(entry: dict, kind: str, where: str) -> dict | None:
     extra = entry.get("with_base") or {}
     if set(extra) - {"args", "deps"}:
         raise TableError(f"{where}: with_base: {sorted(set(extra) - {'args', 'deps'})}; valid: args, deps")
+    # A stage whose command or inputs follow base.model declares it, so that a dvc.yaml made for the other
+    # kind of base runs it after base.model changed, and the launcher refuses the stale command.
+    follows = when is not None or extra or "${base}" in repr(entry)
+    params = list(entry.get("params") or ())
     entry = {k: sub(v) for k, v in entry.items() if k not in ("when", "with_base")}
+    if follows and "base" not in params:
+        entry["params"] = [*params, "base.model"]
     if kind == "base":
         entry["args"] = f"{entry.get('args', '')} {extra.get('args', '')}".strip()
         entry["deps"] = list(entry.get("deps") or ()) + list(extra.get("deps") or ())
