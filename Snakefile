@@ -16,6 +16,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from pipelines.cluster import PARTITION_KINDS, slurm_resources
 from pipelines.commit import clear_dead_snakemake_locks, hold_pipeline_lock, plans_only, repair as repair_dvc_lock
 from pipelines.dag import check_params, fill, is_dir, load_table, parse_yaml
 from snakemake.exceptions import WorkflowError
@@ -37,8 +38,12 @@ if importlib.util.find_spec("torch") is not None:
 # --config mlflow_tracking_uri=...: the stages log there (a tracking server, for cluster runs).
 if config.get("mlflow_tracking_uri"):
     os.environ["MLFLOW_TRACKING_URI"] = str(config["mlflow_tracking_uri"])
-# --config cpu_only=1: request no GPUs from the scheduler (clusters or test nodes without them).
+# --config cpu_only=1: request no GPUs from the scheduler (clusters or test nodes without them): every
+# stage runs its CPU processes on the CPU partition.
 CPU_ONLY = bool(config.get("cpu_only"))
+# --config gpu_partition=... cpu_partition=...: the SLURM partitions for stages on GPUs and on CPUs
+# (the slurm profile names them in pipelines/profiles/slurm/partitions.yaml).
+PARTITIONS = {kind: config.get(f"{kind}_partition") for kind in PARTITION_KINDS}
 
 STAGES = load_table()
 if workflow.is_main_process and not config.get("dump_rules"):
@@ -98,14 +103,8 @@ for st in STAGES.values():
             "logs/" + st.name + ("-{item}" if st.foreach else "") + ".log",
         threads: st.resources["nproc_per_node"]
         resources:
-            mem_mb=st.resources["mem_mb"],
-            runtime=st.resources["runtime_min"],
-            nodes=st.resources["nodes"],
-            # One task per node: SLURM shrinks an allocation of N nodes with fewer tasks to fewer nodes.
-            tasks=st.resources["nodes"],
-            gpus_per_node=st.resources["gpus_per_node"],
-            # SLURM counts generic resources per node.
-            **({"gres": f"gpu:{st.resources['gpus_per_node']}"} if st.resources["gpus_per_node"] and not CPU_ONLY else {}),
+            # What sbatch asks for per node: partition, CPUs, memory, GPUs, time (pipelines/cluster.py)
+            **slurm_resources(st.resources, cpu_only=CPU_ONLY, partitions=PARTITIONS),
         # Used with --software-deployment-method apptainer (docs/containers.md).
         container: st.resources["container"]
         wildcard_constraints:
@@ -120,5 +119,6 @@ if config.get("dump_rules"):
     with open(config["dump_rules"], "w") as fh:
         json.dump({r.name: {"input": [str(i) for i in r.input], "output": [str(o) for o in r.output],
                             "params": json.loads(r.params.sections), "cmd": r.params.cmd, "foreach": list(STAGES[r.name].foreach) if r.name in STAGES else None,
-                            "container": r.container_img}
+                            "container": r.container_img,
+                            "resources": {k: v.value for k, v in r.resources.items() if not (k.startswith("_") or v.is_evaluable())}}
                    for r in workflow.rules if r.name != "all"}, fh, indent=1)

@@ -96,7 +96,7 @@ def profile_step(tr: loop.Trainer, index: int, path: Path) -> dict:
     steps: no recompilation): top kernels and time by kind."""
     from torch.profiler import ProfilerActivity, profile
 
-    device, dtype = tr.rt.device, tr.cfg.compute_dtype(tr.rt.device)
+    device, dtype = tr.rt.device, runtime.compute_dtype(tr.rt.device, tr.cfg.precision)
     sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -151,7 +151,7 @@ def main() -> None:
         sys.exit(2)
     rt = runtime.Runtime(0, 1, 0, 1, device)
     cfg = train_cfg(args)
-    dtype = cfg.compute_dtype(device)
+    dtype = runtime.compute_dtype(device, cfg.precision)
     model = make_model(args)
     params = sum(p.numel() for p in model.parameters())
     fpt = loop.flops_per_token(model, args.context)

@@ -56,7 +56,8 @@ STAGE_KEYS = {
 WHEN = ("own", "base")  # the pipeline's own pretrain is the base model; another model is (params.yaml's base.model)
 MEASURED_DIR = "measured"
 MEASURED_KINDS = ("json", "png")  # the figures; a plot of them
-RESOURCE_KEYS = {"nodes", "nproc_per_node", "gpus_per_node", "mem_mb", "runtime_min", "container"}
+RESOURCE_KEYS = {"nodes", "nproc_per_node", "gpus_per_node", "runtime_min", "container"}
+RESOURCE_KEYS |= {"cpus_per_process", "mem_mb_per_process", "cpus_per_gpu", "mem_mb_per_gpu"}  # pipelines/cluster.py
 HEADER = (
     "# Generated from pipelines/stages.yaml by `python -m pipelines.dag write` (make dag).\n"
     "# Edit the table, not this file: tests fail when the two disagree.\n"

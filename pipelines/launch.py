@@ -7,8 +7,9 @@ for one process, or `torchrun --standalone --nproc-per-node N -m stages.<stage>`
 CPU, nccl on GPU; --standalone picks a free port, so parallel stages do not collide). On a machine with
 GPUs, a stage that asks for GPUs gets one process per visible GPU, up to `gpus_per_node`.
 `PIPELINE_NPROC_PER_NODE` overrides the process count for every stage. A training stage whose `train`
-section asks for a parallel layout (tensor_parallel x pipeline_parallel) that the processes cannot form
-is refused here, naming both settings, before any process starts.
+section the processes cannot run (a parallel layout, tensor_parallel x pipeline_parallel, they cannot
+form; a global batch they cannot share evenly) is refused here before any process starts, with the line
+the stage's own check ends with (stages.common.train_config: TrainConfig.refusal), exit code 2.
 
 Inside a SLURM allocation of several nodes (a stage with `nodes: N > 1`, submitted by the slurm profile)
 it starts one `torchrun` per node with `srun`, all meeting at a c10d rendezvous on the allocation's
@@ -66,7 +67,11 @@ from pathlib import Path
 from pipelines import verify
 from pipelines.dag import LAUNCH, TABLE, fill, load_table, parse_yaml
 from pipelines.sync import forget_records
-from stages.common import contract
+from stages.common import config, contract, train_config
+
+
+class Refused(Exception):
+    """Input the stage would refuse, found before any process starts: the stage's own line (exit 2)."""
 
 
 def visible_gpus() -> int:
@@ -120,12 +125,17 @@ def slurm_hosts(env: dict) -> list[str]:
     return max(expanded, key=len, default=[])
 
 
-def layout_problem(stage: str, args: list[str], processes: int) -> str | None:
-    """Why `processes` cannot form the parallel layout of the stage's train section (params file and
-    key=value overrides as the stage reads them), or None. Anything the stage itself will reject (a bad
-    value, a missing file) is left to it."""
-    from stages.common import config, mesh
+# The training stages and the class of their `train` section (their Config's; tests/test_launch.py compares).
+TRAIN_SECTIONS = {
+    "pretrain": train_config.TrainConfig,
+    "extend_context": train_config.TrainConfig,
+    "finetune_qlora": train_config.AdapterTrainConfig,
+    "memory_study": train_config.TrainConfig,
+}
 
+
+def params_and_overrides(args: list[str]) -> tuple[str, list[str]]:
+    """The params file and the key=value overrides of a stage's command line, as the stage reads them."""
     params, overrides, values = "params.yaml", [], iter(args)
     for arg in values:
         if arg == "--params":
@@ -134,22 +144,38 @@ def layout_problem(stage: str, args: list[str], processes: int) -> str | None:
             params = arg.split("=", 1)[1]
         elif "=" in arg and not arg.startswith("-"):
             overrides.append(arg)
+    return params, overrides
+
+
+def train_sections(stage: str, section: dict) -> dict[str, train_config.TrainConfig]:
+    """The train sections a training stage checks against its processes as it starts, by the dotted path
+    its refusal names: its `train` section (stage.launch), or each of memory_study's techniques (the
+    baseline's among them; checked only in one process: it refuses more itself, naming the fix)."""
+    train = config.build(TRAIN_SECTIONS[stage], f"{stage}.train", section.get("train"))
+    if stage != "memory_study":
+        return {f"{stage}.train": train}
+    sections = {}
+    for name, keys in (section.get("techniques") or {}).items():
+        where = f"{stage}.techniques.{name}"
+        sections[where] = train_config.with_keys(train, where, keys)
+    return sections
+
+
+def layout_problem(stage: str, args: list[str], processes: int) -> str | None:
+    """The line a training stage would refuse `processes` with (its train section's layout or global batch:
+    TrainConfig.refusal), its params file and key=value overrides read as the stage reads them, or None.
+    Anything the stage itself rejects for another reason (a bad value, a missing file) is left to it."""
+    if stage not in TRAIN_SECTIONS or (stage == "memory_study" and processes > 1):
+        return None
+    params, overrides = params_and_overrides(args)
     try:
         section = config.apply_overrides(stage, config.read_yaml(params).get(stage) or {}, overrides)
-        train = section.get("train") or {}
-        degrees = [int(train.get(k, 1)) for k in ("tensor_parallel", "pipeline_parallel", "data_parallel_replicate")]
-        strategy = str(train.get("strategy", "ddp"))
-    except (OSError, ValueError, TypeError, AttributeError, config.ConfigError):
+        sections = train_sections(stage, section)
+    except (OSError, ValueError, TypeError, AttributeError):  # (config.ConfigError is a ValueError)
         return None
-    if min(degrees) < 1:
-        return None
-    problem = mesh.layout_problem(processes, *degrees, strategy)
-    if problem is None:
-        return None
-    return (
-        f"launch: stage {stage} starts {processes} processes (its resources in pipelines/stages.yaml, or "
-        f"{contract.NPROC_PER_NODE}), but {stage}.train.{problem}"
-    )
+    refusals = (train.refusal(where, processes) for where, train in sections.items())
+    refusal = next((r for r in refusals if r), None)
+    return f"error: {refusal}" if refusal else None
 
 
 def processes(stage: str, env: dict) -> tuple[int, int]:
@@ -187,9 +213,9 @@ def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
     env = os.environ if env is None else env
     name = stage.split("@", 1)[0]
     nproc, nodes = processes(stage, env)
-    problem = layout_problem(name, args, nproc * nodes)
-    if problem:
-        raise SystemExit(problem)
+    refusal = layout_problem(name, args, nproc * nodes)
+    if refusal:
+        raise Refused(refusal)
     module = ["-m", f"stages.{name}", *args]
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     if nodes > 1:
@@ -317,17 +343,18 @@ def stale_dag(stage: str, args: list[str], env: dict) -> str | None:
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
-    stale = stale_dag(sys.argv[1], sys.argv[2:], os.environ)
-    if stale:
+    try:
+        stale = stale_dag(sys.argv[1], sys.argv[2:], os.environ)
+        if stale:
+            raise Refused(f"error: launch: {sys.argv[1]}: {stale}")
+        cmd = command(sys.argv[1], sys.argv[2:])
+        damaged = verify.damaged_input(sys.argv[1], contract.workspace())
+        if damaged:
+            raise Refused(f"error: launch: {sys.argv[1]}: {damaged}")
+    except Refused as refused:  # (as the stage's own refusal: its pipeline's run is marked, one line, exit 2)
         mark_pipeline(sys.argv[1], contract.REFUSED_EXIT)
-        print(f"error: launch: {sys.argv[1]}: {stale}", file=sys.stderr, flush=True)
-        raise SystemExit(contract.REFUSED_EXIT)
-    cmd = command(sys.argv[1], sys.argv[2:])
-    damaged = verify.damaged_input(sys.argv[1], contract.workspace())
-    if damaged:
-        mark_pipeline(sys.argv[1], contract.REFUSED_EXIT)
-        print(f"error: launch: {sys.argv[1]}: {damaged}", file=sys.stderr, flush=True)
-        raise SystemExit(contract.REFUSED_EXIT)
+        print(refused, file=sys.stderr, flush=True)
+        raise SystemExit(contract.REFUSED_EXIT) from None
     nproc, nodes = processes(sys.argv[1], os.environ)
     print("launch:", " ".join(cmd), file=sys.stderr, flush=True)
     # The child runs in a process group of its own, so Ctrl-C at a terminal reaches it once, through

@@ -99,7 +99,7 @@ def technique_config(train: train_config.TrainConfig, name: str, overrides) -> t
     naming memory_study.techniques.<name>.<key>)."""
     if not isinstance(overrides, dict):
         raise ValueError(f"techniques.{name} must be a mapping of train keys, got {overrides!r}")
-    return config.build(train_config.TrainConfig, f"{STAGE}.techniques.{name}", {**config.as_dict(train), **overrides})
+    return train_config.with_keys(train, f"{STAGE}.techniques.{name}", overrides)
 
 
 # ------------------------------------------------------------------------------------------ one run

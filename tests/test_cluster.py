@@ -16,7 +16,7 @@ import pytest
 import yaml
 from conftest import collector_thresholds
 
-from pipelines import launch, verify
+from pipelines import cluster, launch, verify
 from pipelines.dag import Stage, load_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +35,9 @@ def test_profiles_load_and_name_their_executor():
     # Accounting (sacct) is often off; squeue always answers.
     assert slurm["slurm-status-command"] == "squeue" and slurm["slurm-requeue"] is True
     assert slurm["slurm-keep-successful-logs"] is True
-    assert slurm["default-resources"]["slurm_partition"]
+    # The partitions, as config a `--config` on the command line does not replace.
+    (partitions,) = slurm["configfiles"]
+    assert set(yaml.safe_load((ROOT / partitions).read_text())) == {"gpu_partition", "cpu_partition"}
 
 
 def with_resources(stage: str, **res) -> dict[str, Stage]:
@@ -43,6 +45,100 @@ def with_resources(stage: str, **res) -> dict[str, Stage]:
     st = table[stage]
     table[stage] = Stage(**{**st.__dict__, "resources": {**st.resources, **res}})
     return table
+
+
+PARTITIONS = yaml.safe_load((ROOT / "pipelines/profiles/slurm/partitions.yaml").read_text())
+
+
+def rules_through_the_slurm_profile(tmp_path: Path, *config: str) -> dict[str, dict]:
+    """{rule: its resources} as Snakemake builds them with the slurm profile (what the SLURM executor
+    plugin submits), for `--config` values."""
+    dump = tmp_path / "rules.json"
+    cmd = [sys.executable, "-m", "snakemake", "--profile", "pipelines/profiles/slurm", "--list-rules"]
+    subprocess.run([*cmd, "--config", f"dump_rules={dump}", *config], cwd=ROOT, check=True, capture_output=True)
+    return {name: rule["resources"] for name, rule in json.loads(dump.read_text()).items()}
+
+
+def test_each_stage_asks_slurm_for_the_cores_memory_and_partition_of_its_processes(tmp_path):
+    """On GPUs a node runs one process per GPU: gpus_per_node x (cpus_per_gpu, mem_mb_per_gpu) on the GPU
+    partition. Every other stage, and every stage with cpu_only=1, runs nproc_per_node processes of
+    (cpus_per_process, mem_mb_per_process) on the CPU partition and asks for no GPU."""
+    table = load_table()
+    on_gpus = rules_through_the_slurm_profile(tmp_path)
+    cpu_only = rules_through_the_slurm_profile(tmp_path, "cpu_only=1")
+    assert set(on_gpus) == set(cpu_only) == set(table)
+    for name, st in table.items():
+        res = st.resources
+        gpus = res["gpus_per_node"]
+        cpu_run = {
+            "slurm_partition": PARTITIONS["cpu_partition"],
+            "cpus_per_task": res["nproc_per_node"] * res["cpus_per_process"],
+            "mem_mb": res["nproc_per_node"] * res["mem_mb_per_process"],
+            "gpus_per_node": 0,
+        }
+        gpu_run = {
+            "slurm_partition": PARTITIONS["gpu_partition"],
+            "cpus_per_task": gpus * res["cpus_per_gpu"],
+            "mem_mb": gpus * res["mem_mb_per_gpu"],
+            "gpus_per_node": gpus,
+            "gres": f"gpu:{gpus}",
+        }
+        for rule, wanted in ((on_gpus[name], gpu_run if gpus else cpu_run), (cpu_only[name], cpu_run)):
+            assert {k: rule.get(k) for k in wanted} == wanted, name
+            assert ("gres" in rule) == ("gres" in wanted), f"{name}: a GPU request only on the GPU partition"
+            assert (rule["nodes"], rule["tasks"], rule["runtime"]) == (res["nodes"],) * 2 + (res["runtime_min"],)
+    # the numbers behind docs/cluster.md's table
+    assert {k: on_gpus["pretrain"][k] for k in ("slurm_partition", "cpus_per_task", "mem_mb", "gres")} == {
+        "slurm_partition": "gpu",
+        "cpus_per_task": 64,
+        "mem_mb": 128000,
+        "gres": "gpu:8",
+    }
+    assert {k: cpu_only["pretrain"][k] for k in ("slurm_partition", "cpus_per_task", "mem_mb")} == {
+        "slurm_partition": "main",
+        "cpus_per_task": 2,
+        "mem_mb": 8000,
+    }
+    assert on_gpus["tokenize"] == cpu_only["tokenize"] and on_gpus["tokenize"]["slurm_partition"] == "main"
+    # --config names a partition for one run; without the profile (a local run) no partition is set
+    assert rules_through_the_slurm_profile(tmp_path, "gpu_partition=a100")["pretrain"]["slurm_partition"] == "a100"
+    assert "slurm_partition" not in cluster.slurm_resources(table["pretrain"].resources)
+
+
+class SubmittedJob:
+    """What the SLURM executor plugin reads of a Snakemake job: its resources and threads."""
+
+    def __init__(self, resources: dict, threads: int):
+        self.resources = type("Resources", (dict,), {"__getattr__": dict.__getitem__})(resources)
+        self.threads = threads
+
+
+def test_a_gpu_node_is_one_task_with_every_core_of_its_processes():
+    """The plugin's own sbatch line for pretrain's rule: one task per node with 8 GPUs x 8 cores, not a
+    task per GPU each with all of them; its job step (srun inside the allocation) gets those cores too."""
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+    from snakemake_executor_plugin_slurm_jobstep import get_cpu_setting
+
+    params = dict(run_uuid="u", slurm_logfile="log", comment_str="c", account="", partition="", workdir="")
+    table = load_table()
+    for cpu_only in (False, True):
+        res = cluster.slurm_resources(table["pretrain"].resources, cpu_only=cpu_only)
+        job = SubmittedJob(res, threads=table["pretrain"].resources["nproc_per_node"])
+        sbatch = (get_submit_command(job, params) + set_gres_string(job)).split()
+        cores = 2 if cpu_only else 64
+        assert f"--cpus-per-task={cores}" in sbatch and get_cpu_setting(job, not cpu_only) == f"--cpus-per-task={cores}"
+        assert sbatch[sbatch.index("--mem") + 1] == ("8000" if cpu_only else "128000") and "--nodes=1" in sbatch
+        assert not any(a.startswith("--ntasks-per-gpu") for a in sbatch), sbatch
+        assert ("--gres=gpu:8" in sbatch) != cpu_only and not any(a.startswith("--gpus") for a in sbatch)
+        assert ("--ntasks=1" in sbatch) == cpu_only  # on GPUs SLURM's default: one task per node
+
+
+def test_the_requests_in_the_docs_are_the_tables():
+    docs = (ROOT / "docs/cluster.md").read_text()
+    assert cluster.markdown_table(load_table()) in docs, (
+        "docs/cluster.md: the table of requests is out of date; paste the output of `python -m pipelines.cluster`"
+    )
 
 
 def test_multi_node_stage_starts_one_torchrun_per_node_with_c10d_on_the_first(monkeypatch):
@@ -132,24 +228,6 @@ def test_single_node_stage_keeps_a_standalone_rendezvous(monkeypatch):
     monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
     cmd = launch.command("tokenize", [], {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1"})
     assert "--standalone" in cmd and "srun" not in cmd
-
-
-def test_a_layout_the_processes_cannot_form_is_refused_before_any_start(monkeypatch):
-    monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
-    env = {"PIPELINE_NPROC_PER_NODE": "2"}
-    cmd = launch.command("pretrain", ["--input", "data/tokenize", "train.tensor_parallel=2"], env)
-    assert "--nproc-per-node=2" in cmd and cmd[-1] == "train.tensor_parallel=2"
-    assert launch.command("pretrain", ["pretrain.train.pipeline_parallel=2"], env)
-    with pytest.raises(SystemExit, match="starts 2 processes .*tensor_parallel: 4 does not divide the 2 processes"):
-        launch.command("pretrain", ["train.tensor_parallel=4"], env)
-    four = {"PIPELINE_NPROC_PER_NODE": "4"}
-    assert launch.command("pretrain", ["train.pipeline_parallel=2"], four)  # two pipelines of 2 stages
-    with pytest.raises(SystemExit, match="starts 4 processes .*data_parallel_replicate: 3 does not divide the 4"):
-        launch.command("pretrain", ["train.strategy=fsdp", "train.data_parallel_replicate=3"], four)
-    with pytest.raises(SystemExit, match="2 data-parallel x 2 tensor-parallel; .* set strategy fsdp"):
-        launch.command("pretrain", ["train.tensor_parallel=2"], four)
-    # a bad value is the stage's to report, with its own message
-    assert launch.command("pretrain", ["train.tensor_parallel=many"], env)
 
 
 def test_a_process_count_that_is_not_a_positive_integer_is_one_line_before_any_start(tmp_path, monkeypatch, capsys):

@@ -214,6 +214,16 @@ def test_a_layout_places_each_rank_where_the_device_mesh_does(world, keys):
         pp, replicate, shard, tp = (int(i[0]) for i in np.nonzero(grid == rank))
         assert layout.processes == world and layout.data_size == grid.shape[1] * grid.shape[2]
         assert layout.data_rank == replicate * grid.shape[2] + shard
+        assert layout.pipeline_rank == pp and layout.stage_size == world // grid.shape[0]
+        assert layout.leads_stage == (replicate == shard == tp == 0)
+        assert layout.splits_model == (grid.shape[0] * grid.shape[3] > 1) and layout.data_parallel
+        assert Layout.over(cfg, world, rank) == layout  # (before any process starts: the launcher's)
+
+
+def test_every_reduce_dtype_has_its_torch_dtype():
+    from stages.common import parallel, train_config
+
+    assert tuple(parallel.REDUCE_TORCH_DTYPES) == train_config.REDUCE_DTYPES
 
 
 def test_a_layout_the_processes_cannot_form_is_refused_with_the_key():

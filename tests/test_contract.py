@@ -24,6 +24,14 @@ heavy = sorted(m for m in ("torch", "transformers", "mlflow") if m in sys.module
 print(" ".join(heavy) or "none")
 """
 
+CHECKS_WITHOUT_TORCH = """
+import sys
+from pipelines import launch
+lines = {stage: launch.layout_problem(stage, ["train.batch_size=12"], 8) for stage in launch.TRAIN_SECTIONS}
+# (memory_study measures one process at a time, and refuses more itself)
+print(all(line for stage, line in lines.items() if stage != "memory_study"), "torch" in sys.modules)
+"""
+
 
 @pytest.mark.parametrize("tool", ["pipelines.plots", "pipelines.html_report"])
 def test_a_tool_that_reads_files_starts_without_torch(tool):
@@ -40,6 +48,17 @@ def test_the_launcher_and_the_contract_import_without_torch():
     assert proc.stdout.strip() == "False", proc.stderr[-3000:]
 
 
+def test_the_launcher_checks_a_train_section_without_torch():
+    """The launcher's check of each training stage's train section (its layout and batch, asked of
+    stages.common.train_config and stages.common.mesh) loads no torch, also when it refuses."""
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECKS_WITHOUT_TORCH], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    refused, torch_loaded = proc.stdout.split()
+    assert refused == "True" and torch_loaded == "False", proc.stdout
+
+
 @pytest.mark.skipif(not LINT_IMPORTS.exists(), reason="lint-imports is not installed in this environment")
 def test_lint_imports_names_a_tool_that_reaches_the_training_stack(tmp_path):
     for part in ("stages", "pipelines"):
@@ -47,11 +66,15 @@ def test_lint_imports_names_a_tool_that_reaches_the_training_stack(tmp_path):
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     plots = tmp_path / "pipelines/plots.py"
     plots.write_text(plots.read_text() + "\nfrom stages.common import runtime  # noqa: E402, F401\n")
+    train = tmp_path / "stages/common/train_config.py"  # (the launcher asks it about a stage's processes)
+    train.write_text(train.read_text() + "\nimport torch  # noqa: E402, F401\n")
     proc = subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "the pipeline tools never import torch through the stages BROKEN" in out, out[-3000:]
     assert "pipelines.plots -> stages.common.runtime" in out, out[-3000:]
+    assert "the launcher and the train section's checks never import torch BROKEN" in out, out[-3000:]
+    assert "stages.common.train_config -> torch" in out, out[-3000:]
 
 
 def test_the_launcher_reads_the_last_line_a_stage_leaves(tmp_path, monkeypatch):

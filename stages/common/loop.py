@@ -35,12 +35,12 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from stages.common import checkpointer, config, faults, pipeline, runtime, shards, watchdog
+from stages.common import checkpointer, config, faults, parallel, pipeline, runtime, shards, watchdog
 from stages.common.losses import IGNORE_INDEX, global_target_count, lm_loss, vocab_parallel_loss
 from stages.common.mesh import Layout
 from stages.common.optim import clip_grad_norm, lr_at, make_grad_scaler, make_optimizer, optimizer_state_bytes
 from stages.common.parallel import all_reduce_grads, checkpoint_activations, replicated_params, wrap
-from stages.common.train_config import REDUCE_DTYPES, TrainConfig, grad_accum_steps, micro_batch
+from stages.common.train_config import TrainConfig, grad_accum_steps, micro_batch
 from stages.models.llama import tensor_parallel_problem
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class Windows:
 
 def autocast(cfg: TrainConfig, rt: runtime.Runtime):
     """Autocast to the compute dtype (bf16, fp16); a no-op context in fp32."""
-    dtype = cfg.compute_dtype(rt.device)
+    dtype = runtime.compute_dtype(rt.device, cfg.precision)
     return torch.autocast(rt.device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
@@ -125,7 +125,7 @@ def evaluate(
             continue
         for m in range(accum):
             x, y = windows.batch(-1 - b, (m * dp_size + dp_rank) * size, size)
-            with autocast(cfg, rt), vocab_parallel_loss(cfg):
+            with autocast(cfg, rt), vocab_parallel_loss(layout):
                 loss = lm_loss(
                     model, x.to(rt.device), y.to(rt.device), reduction="sum", compile_mode=cfg.loss_compile_mode
                 )
@@ -189,13 +189,13 @@ def build(model, train_data, val_data, cfg: TrainConfig, context_length: int, rt
     fpt = flops_per_token(model, context_length)
     layout = Layout.of(cfg, rt)
     pipe = None
-    problem = tensor_parallel_problem(model.config, cfg.tensor_parallel) if cfg.tensor_parallel > 1 else None
+    problem = tensor_parallel_problem(model.config, layout.tensor) if layout.splits_layers else None
     if problem:
         raise config.UserError(f"train.tensor_parallel: {problem}; choose a degree that divides them")
-    if cfg.pipeline_parallel > 1:
+    if layout.pipelined:
         c = model.config
         accum = grad_accum_steps(cfg, layout.data_size)
-        problem = pipeline.layout_problem(c.num_hidden_layers, cfg.pipeline_parallel, accum, c.tie_word_embeddings)
+        problem = pipeline.layout_problem(c.num_hidden_layers, layout.pipeline, accum, c.tie_word_embeddings)
         if problem:
             raise config.UserError(f"train.pipeline_parallel: {problem}")
         checkpoint_activations(model, cfg)
@@ -203,8 +203,8 @@ def build(model, train_data, val_data, cfg: TrainConfig, context_length: int, rt
         model = pipe.model  # this stage's part
     else:
         model = wrap(model, cfg, rt, layout)
-    optimizer = make_optimizer(model, cfg)
-    replicated, replica_group = replicated_params(model, cfg, rt, pipe)
+    optimizer = make_optimizer(model, cfg, layout)
+    replicated, replica_group = replicated_params(model, cfg, rt, layout, pipe)
     streams = (np.ndarray, shards.TokenStream)
     train_w = Windows(train_data, context_length, cfg.seed) if isinstance(train_data, streams) else train_data
     val_w = Windows(val_data, context_length, cfg.seed) if isinstance(val_data, streams) else val_data
@@ -251,16 +251,16 @@ def step(tr: Trainer, index: int) -> Step:
         x, y = x.to(rt.device), y.to(rt.device)
         last = m == accum - 1
         # DDP: all-reduce gradients only on the last micro-batch of the step.
-        no_sync = dp_size > 1 and not last and cfg.strategy == "ddp"
+        no_sync = tr.layout.data_parallel and not last and cfg.strategy == "ddp"
         sync = model.no_sync() if no_sync else contextlib.nullcontext()
-        with sync, autocast(cfg, rt), vocab_parallel_loss(cfg):
+        with sync, autocast(cfg, rt), vocab_parallel_loss(tr.layout):
             loss = lm_loss(model, x, y, reduction="sum", compile_mode=cfg.loss_compile_mode) * scale.to(torch.float32)
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += loss.detach()
-    all_reduce_grads(tr.replicated, REDUCE_DTYPES[cfg.reduce_dtype], tr.replica_group)
+    all_reduce_grads(tr.replicated, parallel.REDUCE_TORCH_DTYPES[cfg.reduce_dtype], tr.replica_group)
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip the true gradients
-    if cfg.tensor_parallel > 1 or pipe is not None:
+    if tr.layout.splits_model:  # (DTensor gradients, or a pipeline stage's part of them)
         grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip, pipe.group if pipe is not None else None)
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -272,7 +272,7 @@ def step(tr: Trainer, index: int) -> Step:
     optimizer.zero_grad(set_to_none=True)
     if rt.distributed:
         torch.distributed.all_reduce(loss_sum)
-        loss_sum /= rt.world_size // cfg.pipeline_parallel  # (the last stage holds a pipeline's loss)
+        loss_sum /= tr.layout.stage_size  # (the last stage holds a pipeline's loss)
     loss_value = loss_sum.item()
     return Step(loss_value, lr, float(grad_norm), time.perf_counter() - t0, time.process_time() - cpu0)
 
@@ -325,7 +325,7 @@ def _train(model, train_data, val_data, cfg, context_length, rt, saver, tracker,
     model, optimizer, scaler = tr.model, tr.optimizer, tr.scaler
     state = saver.resume(model, optimizer, scaler)
     history = state.history
-    dtype = cfg.compute_dtype(rt.device)
+    dtype = runtime.compute_dtype(rt.device, cfg.precision)
     runtime.warn_if_emulated_bf16(rt.device, dtype, rt)
     stopped = False
     bar = runtime.progress(total=cfg.steps, initial=state.step, desc="train", rt=rt)

@@ -13,7 +13,7 @@ import torch
 from stages.common import runtime
 
 if TYPE_CHECKING:
-    from stages.common.train_config import TrainConfig
+    from stages.common.mesh import Layout
 
 IGNORE_INDEX = -100  # targets that carry no loss
 
@@ -46,11 +46,11 @@ def lm_loss(
     return loss_fn(logits, y, reduction)
 
 
-def vocab_parallel_loss(cfg: TrainConfig):
+def vocab_parallel_loss(layout: Layout):
     """The context a tensor-parallel model's loss is computed and differentiated in: cross-entropy of
     vocabulary-sharded logits, each rank over its columns (torch's loss_parallel); a no-op context
     otherwise."""
-    if cfg.tensor_parallel == 1:
+    if not layout.splits_layers:
         return contextlib.nullcontext()
     from torch.distributed.tensor.parallel import loss_parallel
 

@@ -7,9 +7,12 @@ per model replica's layer, and of the data-parallel processes left (processes / 
 tensor-parallel group, then the data-parallel ranks of one pipeline stage, then the stages.
 
 A run has one `Layout` (the loop's build makes it): the degrees, this process's data-parallel rank and the
-run's one DeviceMesh, which the wrappers (stages.common.parallel) and the pipeline split share.
-`layout_problem` is the one check of the degrees against the processes: the train section's
-(TrainConfig.check_layout, before any compute), `Layout.of`, and the launcher's, before it starts them.
+run's one DeviceMesh, which the wrappers (stages.common.parallel) and the pipeline split share. The code
+that lays the model out asks it the layout's questions (data_size, splits_layers, pipelined, stage_size, ...)
+instead of working them out from the train section's degrees. `layout_problem` is the one check of the
+degrees against the processes, run by `Layout.over` (and `Layout.of`): the train section's
+(TrainConfig.refusal: the stage's check before any compute, and the launcher's before it starts them).
+It imports no torch until a running stage asks for the DeviceMesh.
 """
 
 from __future__ import annotations
@@ -66,12 +69,18 @@ class Layout:
     def of(cls, cfg, rt) -> Layout:
         """The layout of a train section (cfg) on the processes of `rt`; ValueError naming the key when they
         cannot form it."""
+        return cls.over(cfg, rt.world_size, rt.rank, rt.device.type)
+
+    @classmethod
+    def over(cls, cfg, processes: int, rank: int = 0, device_type: str = "cpu") -> Layout:
+        """The layout of a train section (cfg) over `processes` (as process `rank`), before any process
+        starts; ValueError naming the key when they cannot form it."""
         tp, pp, replicate = cfg.tensor_parallel, cfg.pipeline_parallel, cfg.data_parallel_replicate
-        problem = layout_problem(rt.world_size, tp, pp, replicate, cfg.strategy)
+        problem = layout_problem(processes, tp, pp, replicate, cfg.strategy)
         if problem:
             raise ValueError(problem)
-        dp = rt.world_size // (tp * pp)
-        return cls(pp, replicate, dp // replicate, tp, rt.rank, rt.device.type)
+        dp = processes // (tp * pp)
+        return cls(pp, replicate, dp // replicate, tp, rank, device_type)
 
     @property
     def processes(self) -> int:
@@ -83,11 +92,47 @@ class Layout:
         return self.replicate * self.shard
 
     @property
+    def data_parallel(self) -> bool:
+        """Whether the model has copies (or shards, under FSDP) on several data-parallel processes."""
+        return self.data_size > 1
+
+    @property
     def data_rank(self) -> int:
         """This process's rank among the data-parallel ones. The processes of a tensor-parallel group
         (consecutive ranks), or of a pipeline, hold one model replica between them and read the same
         batches (mesh order: pipeline, data, tensor)."""
         return self.rank // self.tensor % self.data_size
+
+    @property
+    def splits_layers(self) -> bool:
+        """Whether a layer's weights are split over a tensor-parallel group (its parameters are DTensors)."""
+        return self.tensor > 1
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the model's decoder layers are split into pipeline stages."""
+        return self.pipeline > 1
+
+    @property
+    def splits_model(self) -> bool:
+        """Whether several processes hold one copy of the model between them (tensor or pipeline parallel)."""
+        return self.tensor * self.pipeline > 1
+
+    @property
+    def stage_size(self) -> int:
+        """The processes of one pipeline stage (all of them without pipeline parallel): its data-parallel
+        copies times its tensor-parallel ranks. Each holds the step's loss of its batches on the last stage."""
+        return self.data_size * self.tensor
+
+    @property
+    def leads_stage(self) -> bool:
+        """Whether this process is the first of its pipeline stage (data-parallel and tensor-parallel place 0)."""
+        return self.rank % self.stage_size == 0
+
+    @property
+    def pipeline_rank(self) -> int:
+        """This process's pipeline stage (0 without pipeline parallel; mesh order: pipeline first)."""
+        return self.rank // self.stage_size
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

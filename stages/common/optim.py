@@ -12,6 +12,7 @@ import torch
 from stages.common import runtime
 
 if TYPE_CHECKING:
+    from stages.common.mesh import Layout
     from stages.common.train_config import TrainConfig
 
 
@@ -23,7 +24,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def make_optimizer(model, cfg: TrainConfig):
+def make_optimizer(model, cfg: TrainConfig, layout: Layout):
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -34,7 +35,7 @@ def make_optimizer(model, cfg: TrainConfig):
         # Under tensor parallel, the per-parameter kernel: the parameters are DTensors on two meshes beside
         # plain tensors, which the multi-tensor kernels do not take in one list. Not fused beside FSDP's
         # sharded gradient scaler (fp16) either: its overflow flag has the wrong shape for the fused kernel.
-        if cfg.tensor_parallel > 1:
+        if layout.splits_layers:
             return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, foreach=False)
         fused = not (cfg.precision == "fp16" and cfg.strategy == "fsdp")
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=fused)
@@ -48,7 +49,7 @@ def make_grad_scaler(cfg: TrainConfig, rt: runtime.Runtime):
     """fp16's gradient scaler (None otherwise): the loss is multiplied by a scale that keeps small
     gradients above fp16's underflow; steps whose gradients overflow are skipped and the scale halved.
     Under FSDP the sharded scaler agrees on an overflow across ranks."""
-    if cfg.compute_dtype(rt.device) != torch.float16:
+    if runtime.compute_dtype(rt.device, cfg.precision) != torch.float16:
         return None
     if rt.distributed and cfg.strategy == "fsdp":  # DTensor gradients
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

@@ -10,11 +10,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from stages.common import mesh, runtime
-from stages.common.train_config import REDUCE_DTYPES, TrainConfig
+from stages.common.train_config import TrainConfig
 from stages.models import llama
 
 if TYPE_CHECKING:
     from stages.common import pipeline
+
+# The torch dtypes of a train section's reduce_dtype choices (train_config.REDUCE_DTYPES).
+REDUCE_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def enable_activation_checkpointing(model, every_n_layers: int = 1) -> None:
@@ -46,10 +49,10 @@ def wrap(model, cfg: TrainConfig, rt: runtime.Runtime, layout: mesh.Layout):
     checkpoint_activations(model, cfg)
     if not rt.distributed:
         return torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
-    reduce_dtype = REDUCE_DTYPES[cfg.reduce_dtype]
-    if cfg.tensor_parallel > 1:
+    reduce_dtype = REDUCE_TORCH_DTYPES[cfg.reduce_dtype]
+    if layout.splits_layers:
         llama.tensor_parallelize(model, layout.mesh["tp"])
-        if layout.data_size == 1:
+        if not layout.data_parallel:
             return model
     if cfg.strategy == "ddp":  # (tensor parallel with data-parallel copies is FSDP2's: mesh.layout_problem)
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -76,7 +79,7 @@ def shard(model, cfg: TrainConfig, rt: runtime.Runtime, data_mesh, reduce_dtype:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    dtype = cfg.compute_dtype(rt.device)
+    dtype = runtime.compute_dtype(rt.device, cfg.precision)
     if dtype != torch.float32 or reduce_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=reduce_dtype
@@ -94,7 +97,9 @@ def shard(model, cfg: TrainConfig, rt: runtime.Runtime, data_mesh, reduce_dtype:
     return model
 
 
-def replicated_params(model, cfg: TrainConfig, rt: runtime.Runtime, pipe: pipeline.Pipeline | None = None):
+def replicated_params(
+    model, cfg: TrainConfig, rt: runtime.Runtime, layout: mesh.Layout, pipe: pipeline.Pipeline | None = None
+):
     """The trainable parameters whose gradients no wrapper averages, and the process group the loop
     averages them over (None: all processes): those FSDP left whole (the adapters of a frozen base), and
     a pipeline stage's under ddp, which the loop all-reduces over the stage's replicas once per step
@@ -102,7 +107,7 @@ def replicated_params(model, cfg: TrainConfig, rt: runtime.Runtime, pipe: pipeli
     in one process."""
     if pipe is not None:
         return (list(model.parameters()), pipe.replicas) if pipe.replicas is not None else ([], None)
-    if not rt.distributed or cfg.strategy != "fsdp" or cfg.tensor_parallel * cfg.pipeline_parallel > 1:
+    if not rt.distributed or cfg.strategy != "fsdp" or layout.splits_model:
         return [], None
     from torch.distributed.tensor import DTensor
 

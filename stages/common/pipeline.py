@@ -17,8 +17,7 @@ import torch
 
 from stages.common import mesh, runtime
 from stages.common.losses import cross_entropy, vocab_parallel_loss
-from stages.common.parallel import shard
-from stages.common.train_config import REDUCE_DTYPES
+from stages.common.parallel import REDUCE_TORCH_DTYPES, shard
 from stages.models import llama
 
 # Marks a model that is one pipeline stage's part of the whole (see full_state_dict).
@@ -59,18 +58,18 @@ class Pipeline:
     def __init__(self, model, cfg, micro_batches: int, rt: runtime.Runtime, layout: mesh.Layout):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        stages = cfg.pipeline_parallel
+        stages = layout.pipeline
         # (a mesh when a stage runs on several processes: data-parallel copies, tensor-parallel ranks)
-        procs = layout.mesh if rt.world_size > stages else None
-        self.stage = procs["pp"].get_local_rank() if procs else rt.rank
+        procs = layout.mesh if layout.stage_size > 1 else None
+        self.stage = layout.pipeline_rank
         self.group = procs["pp"].get_group() if procs else torch.distributed.group.WORLD  # (a pipeline's stages)
         self.first, self.last = self.stage == 0, self.stage == stages - 1
         own = stage_layers(len(llama.decoder_layers(model)), stages, self.stage)
         llama.keep_stage_part(model, own, self.first, self.last)
         setattr(model, PART, True)
         self.model = model.to(rt.device)  # (this stage's part only)
-        self.cfg = cfg
-        if cfg.tensor_parallel > 1:  # (3D: each stage's layers split like a whole model's)
+        self.layout = layout
+        if layout.splits_layers:  # (3D: each stage's layers split like a whole model's)
             llama.tensor_parallelize(model, procs["tp"])
         self.scale = 1.0
         self.device = rt.device
@@ -78,14 +77,13 @@ class Pipeline:
         # Under ddp the loop averages the stage's gradients over its replicas after the step: one flat
         # all-reduce, the bytes DDP's buckets would send, without DDP's bucket rebuilding, which fails
         # under a schedule's partial backward passes here (torch 2.13, gloo).
-        copies = procs is not None and procs["dp_replicate"].size() * procs["dp_shard"].size() > 1
+        copies = layout.data_parallel
         self.replicas = procs["dp_shard"].get_group() if copies and cfg.strategy == "ddp" else None
         if copies and cfg.strategy == "fsdp":
             module = shard_stage(module, cfg, rt, layout)
         # One process per stage sends its part when the model is published (its copies and tensor-parallel
         # peers hold the same part).
-        others = ("dp_replicate", "dp_shard", "tp")
-        setattr(model, PUBLISHER, procs is None or all(procs[d].get_local_rank() == 0 for d in others))
+        setattr(model, PUBLISHER, layout.leads_stage)
         pipe_stage = PipelineStage(module, self.stage, stages, rt.device, group=self.group)
         kind = ScheduleGPipe if cfg.pipeline_schedule == "gpipe" else Schedule1F1B
         self.schedule = kind(pipe_stage, micro_batches, loss_fn=self._loss, scale_grads=False)
@@ -103,7 +101,7 @@ class Pipeline:
         losses = []
         args = (x,) if self.first else ()
         target = y if self.last else None
-        with vocab_parallel_loss(self.cfg):
+        with vocab_parallel_loss(self.layout):
             if train:
                 self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
             else:
@@ -118,7 +116,7 @@ def shard_stage(module: llama.StageForward, cfg, rt: runtime.Runtime, layout: me
     """A stage's module under FSDP2 over its replicas (the processes that run the same stage on other
     batches): per decoder layer and over the stage. The schedule syncs gradients after the step's last
     backward only (pipelining drives FSDP2's gradient sync)."""
-    shard(module.lm, cfg, rt, layout.data_mesh, REDUCE_DTYPES[cfg.reduce_dtype], root=module)
+    shard(module.lm, cfg, rt, layout.data_mesh, REDUCE_TORCH_DTYPES[cfg.reduce_dtype], root=module)
     return module
 
 

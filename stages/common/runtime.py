@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from stages.common import contract
+from stages.common.precision import check_precision
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 # CPU flags that change which kernels torch, oneDNN and bitsandbytes pick (and so the last bits of results).
 KERNEL_FLAGS = (
     "avx2",
@@ -161,11 +161,6 @@ KERNEL_FLAGS = (
     "amx_bf16",
     "amx_int8",
 )
-
-
-def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision: unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
 
 
 def compute_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:

@@ -2,20 +2,24 @@
 checks, and the arithmetic of its batch over the data-parallel processes.
 
 Its values are checked when the section is loaded (`__post_init__`: a bad key is one clear error before
-any compute) and against the processes and device once they are known (`check_layout`, called by
-stage.launch and by the launcher's layout check). Tests and benches build one with `build(**keys)`: the
-small run's values in RUN_DEFAULTS with `keys` over them.
+any compute), against a number of processes (`refusal`: their layout, stages.common.mesh, and the batch
+over the data-parallel ones; the launcher asks it before it starts them) and against the processes and
+device once they are known (`check_layout`, called by stage.launch). It imports no torch: the pipeline tools
+read it. Tests and benches build one with `build(**keys)`: the small run's values in RUN_DEFAULTS with
+`keys` over them.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
+from stages.common import config, mesh
+from stages.common.precision import check_precision
 
-from stages.common import config, mesh, runtime
+if TYPE_CHECKING:
+    from stages.common import runtime
 
 # The pipeline schedules: GPipe (all forwards, then all backwards) and 1F1B (one forward, one backward).
 SCHEDULES = ("gpipe", "1f1b")
@@ -41,8 +45,9 @@ WATCH_KEYS = ("hang_timeout_s", "collective_timeout_s")
 SAVE_KEYS = ("async_checkpoint",)
 # The dtype gradients are averaged over processes in: FSDP2's reduce-scatter (MixedPrecisionPolicy
 # reduce_dtype), DDP's all-reduce (a compression hook), the all-reduce of replicated adapters. fp32 sums
-# exactly as the one-process run does; bf16 and fp16 halve the bytes sent.
-REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# exactly as the one-process run does; bf16 and fp16 halve the bytes sent. (Their torch dtypes:
+# stages.common.parallel.REDUCE_TORCH_DTYPES.)
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,7 @@ class TrainConfig:
             raise ValueError(
                 f"compile_mode: unknown torch.compile mode {self.compile_mode!r}; valid: {', '.join(COMPILE_MODES)}"
             )
-        runtime.check_precision(self.precision)
+        check_precision(self.precision)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer: unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
         if self.optimizer != "adamw" and importlib.util.find_spec("bitsandbytes") is None:
@@ -170,30 +175,32 @@ class TrainConfig:
         """The keys of a train section (as a dict) that a checkpoint folder's key holds: all but UNKEYED."""
         return {k: v for k, v in section.items() if k not in cls.UNKEYED}
 
-    def compute_dtype(self, device: torch.device) -> torch.dtype:
-        return runtime.compute_dtype(device, self.precision)
-
     @property
     def loss_compile_mode(self) -> str | None:
         """The mode lm_loss compiles the loss in; None without compile."""
         return self.compile_mode if self.compile else None
 
-    def check_layout(self, where: str, rt: runtime.Runtime) -> None:
-        """What a train section (at the dotted path `where`, e.g. preself.train) can only be checked against
-        once the processes and the device are known; before any compute."""
-        tp, pp = self.tensor_parallel, self.pipeline_parallel
-        problem = mesh.layout_problem(rt.world_size, tp, pp, self.data_parallel_replicate, self.strategy)
-        if problem:
-            raise config.UserError(f"params.yaml: {where}.{problem}")
+    def refusal(self, where: str, processes: int) -> str | None:
+        """Why `processes` cannot run this train section (at the dotted path `where`, e.g. pretrain.train),
+        as the one line a stage refuses them with: their layout (mesh.Layout.over), or the global batch over
+        the data-parallel ones (micro_batch, naming the process counts that work); None when they can."""
         try:
-            grad_accum_steps(self, rt.world_size // (tp * pp))
+            layout = mesh.Layout.over(self, processes)
         except ValueError as e:
-            layout = (
-                " (processes here: the data-parallel ones, processes / (tensor x pipeline degree))"
-                if tp * pp > 1
-                else ""
-            )
-            raise config.UserError(f"params.yaml: {where}.{e}{layout}") from None
+            return f"params.yaml: {where}.{e}"
+        try:
+            grad_accum_steps(self, layout.data_size)
+        except ValueError as e:
+            split = " (processes here: the data-parallel ones, processes / (tensor x pipeline degree))"
+            return f"params.yaml: {where}.{e}{split if layout.splits_model else ''}"
+        return None
+
+    def check_layout(self, where: str, rt: runtime.Runtime) -> None:
+        """What a train section (at the dotted path `where`, e.g. pretrain.train) can only be checked against
+        once the processes and the device are known; before any compute."""
+        refusal = self.refusal(where, rt.world_size)
+        if refusal:
+            raise config.UserError(refusal)
         if self.offload and not rt.distributed:
             raise config.UserError(
                 f"params.yaml: {where}.offload: FSDP2's CPU offload shards over the processes of a torchrun run; "
@@ -266,3 +273,9 @@ RUN_DEFAULTS = {
 def build(cls: type[TrainConfig] | None = None, **keys) -> TrainConfig:
     """A TrainConfig (or `cls`, e.g. AdapterTrainConfig) of RUN_DEFAULTS with `keys` over them."""
     return (cls or TrainConfig)(**{**RUN_DEFAULTS, **keys})
+
+
+def with_keys(train: TrainConfig, where: str, keys: dict) -> TrainConfig:
+    """`train` with `keys` over it, checked like a section of its own at the dotted path `where` (a
+    ConfigError naming `<where>.<key>`): a memory_study technique's train section."""
+    return config.build(type(train), where, {**config.as_dict(train), **keys})
