@@ -180,7 +180,7 @@ def test_qlora_extension_and_evaluation_of_a_hub_model_run_without_pretrain(tmp_
     assert (clone / "data/tokenize/meta.json").read_bytes() == before
     sh("python -m pipelines.dag write", clone)
     targets = "data/finetune_qlora/nf4 data/extend_context data/eval_perplexity/base"
-    plan = sh(f"snakemake -n --quiet rules {targets}", clone, **offline)
+    plan = sh(f"snakemake -n {targets} --quiet rules", clone, **offline)
     assert not re.search(r"\bpretrain\b", plan), plan
     for rule in ("base", "tokenize", "finetune_qlora", "extend_context", "eval_perplexity"):
         assert re.search(rf"^\s*{rule}\s+\d", plan, re.M), (rule, plan)
@@ -209,7 +209,7 @@ def test_qlora_extension_and_evaluation_of_a_hub_model_run_without_pretrain(tmp_
     # another revision: exactly the stages that read the base run again
     other = hub_snapshot(home, REPO, clone / "data/pretrain/model", refs=("v2",), salt="v2")
     params.write_text(params.read_text().replace(f"  revision: {commit}", "  revision: v2", 1))
-    plan = sh(f"snakemake -n --quiet rules {targets}", clone, **offline)
+    plan = sh(f"snakemake -n {targets} --quiet rules", clone, **offline)
     ran = set(re.findall(r"^\s*(\w+)\s+\d", plan, re.M)) - {"total"}
     assert ran == {"base", "tokenize", "finetune_qlora", "extend_context", "eval_perplexity"}, plan
     status = sh("dvc status", clone, **offline)
