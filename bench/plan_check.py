@@ -61,7 +61,7 @@ WRAPPER = (
 def overrides(vocab: int, base: Path, tiny: bool = False) -> list[str]:
     """The bench's params over the ci preset, as section.key=value (`tiny`: the ci preset's own model and
     context, for the process baseline)."""
-    out = [f"tokenize.vocab_size={vocab}", f"finetune_qlora.base={base}"]
+    out = [f"tokenize.vocab_size={vocab}", f"base.model={base}"]  # (the planner's; the stage's is --base)
     if not tiny:
         out += [f"pretrain.model.{k}={v}" for k, v in MODEL.items()]
         out += ["pretrain.model.max_position_embeddings=256", "pretrain.context_length=256"]
@@ -123,12 +123,13 @@ def main() -> None:
         make_base(work / "base", tokenize / "tokenizer", vocab)
         make_base(work / "tiny", tokenize / "tokenizer", vocab, tiny=True)
 
-        def run(stage: str, procs: int, mine: list[str], item: str, process_mb: float | None):
+        def run(stage: str, procs: int, mine: list[str], item: str, process_mb: float | None, base: Path):
             params = plan.load_params(str(work / "params.yaml"), None, mine)
             (planned,) = plan.plan(params, plan.Machine(procs=procs, process_mb=process_mb), item)
             n = len(list(work.glob("params-*.yaml")))
             (work / f"params-{n}.yaml").write_text(json.dumps(params))  # (YAML reads JSON)
             paths = ["--input", str(tokenize if stage == "pretrain" else instructions), "--output", f"out/{n}"]
+            paths += ["--base", str(base)] if stage == "finetune_qlora" else []
             return planned["budget"], measure(stage, procs, [*paths, "--params", f"params-{n}.yaml"], work)
 
         for name, (stage, procs, extra) in CONFIGS.items():
@@ -137,7 +138,7 @@ def main() -> None:
             item = f"{stage}@{extra['quantization']}" if "quantization" in extra else stage
             if stage not in baselines:  # the empty process: the stage at the ci size, less its planned tensors
                 tiny = [*overrides(vocab, work / "tiny", tiny=True), *(f"{stage}.{k}={v}" for k, v in extra.items())]
-                b, measured = run(stage, 1, tiny, item, 0)
+                b, measured = run(stage, 1, tiny, item, 0, work / "tiny")
                 imports = plan.process_baseline(stage, {})
                 baselines[stage] = (measured - b.peak) / 2**20
                 print(
@@ -147,7 +148,7 @@ def main() -> None:
                     flush=True,
                 )
             mine = [*overrides(vocab, work / "base"), *(f"{stage}.{k}={v}" for k, v in extra.items())]
-            b, measured = run(stage, procs, mine, item, baselines[stage])
+            b, measured = run(stage, procs, mine, item, baselines[stage], work / "base")
             row = {
                 "config": name,
                 "planned_mib": b.peak / 2**20,

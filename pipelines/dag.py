@@ -49,7 +49,11 @@ PACKAGES_HEADER = (
     "# stages: a new version of one of these re-runs them.\n"
 )
 LAUNCH = "python -m pipelines.launch"
-STAGE_KEYS = {"args", "deps", "params", "outs", "metrics", "plots", "measured", "resources", "foreach", "collect"}
+STAGE_KEYS = {
+    "args", "deps", "params", "outs", "metrics", "plots", "measured", "resources", "foreach", "collect",
+    "when", "with_base",
+}  # fmt: skip
+WHEN = ("own", "base")  # the pipeline's own pretrain is the base model; another model is (params.yaml's base.model)
 MEASURED_DIR = "measured"
 MEASURED_KINDS = ("json", "png")  # the figures; a plot of them
 RESOURCE_KEYS = {"nodes", "nproc_per_node", "gpus_per_node", "runtime_min", "container"}
@@ -152,7 +156,54 @@ def fill(text, item: str | None):
     return text if item is None else text.replace("${item}", item)
 
 
-def load_table(path: Path = TABLE) -> dict[str, Stage]:
+def base_kind(params: Path) -> str:
+    """ "base" when params.yaml names a base model other than the pipeline's own pretrain (base.model), else "own"."""
+    try:
+        doc = parse_yaml(Path(params).read_text()) or {}
+    except FileNotFoundError:
+        return "own"
+    model = (doc.get("base") or {}).get("model") if isinstance(doc, dict) else None
+    return "base" if model else "own"
+
+
+def for_base(entry: dict, kind: str, where: str) -> dict | None:
+    """The table's entry as the DAG runs it for the base model's `kind` (WHEN), or None when the stage is
+    not in that DAG: `${base}` replaced by the stage that makes the base model (pretrain or base), and
+    `with_base`'s args and deps added while it is the base stage."""
+    when = entry.get("when")
+    if when is not None and when not in WHEN:
+        raise TableError(f"{where}: when: {when!r}; valid: {', '.join(WHEN)}")
+    if when is not None and when != kind:
+        return None
+    maker = "pretrain" if kind == "own" else "base"
+
+    def sub(value):
+        if isinstance(value, str):
+            return value.replace("${base}", maker)
+        if isinstance(value, list):
+            return [sub(v) for v in value]
+        if isinstance(value, dict):
+            return {sub(k): sub(v) for k, v in value.items()}
+        return value
+
+    extra = entry.get("with_base") or {}
+    if set(extra) - {"args", "deps"}:
+        raise TableError(f"{where}: with_base: {sorted(set(extra) - {'args', 'deps'})}; valid: args, deps")
+    # A stage whose command or inputs follow base.model declares it, so that a dvc.yaml made for the other
+    # kind of base runs it after base.model changed, and the launcher refuses the stale command.
+    follows = when is not None or extra or "${base}" in repr(entry)
+    params = list(entry.get("params") or ())
+    entry = {k: sub(v) for k, v in entry.items() if k not in ("when", "with_base")}
+    if follows and "base" not in params:
+        entry["params"] = [*params, "base.model"]
+    if kind == "base":
+        entry["args"] = f"{entry.get('args', '')} {extra.get('args', '')}".strip()
+        entry["deps"] = list(entry.get("deps") or ()) + list(extra.get("deps") or ())
+    return entry
+
+
+def load_table(path: Path = TABLE, params: Path | None = None) -> dict[str, Stage]:
+    """The stage table as the DAG runs it for params.yaml (beside the table's repository unless `params`)."""
     doc = parse_yaml(Path(path).read_text())
     defaults = doc.get("defaults", {})
     base_resources = defaults.get("resources", {})
@@ -160,11 +211,15 @@ def load_table(path: Path = TABLE) -> dict[str, Stage]:
         raise TableError(f"{path}: defaults.common_deps: code deps come from the imports (pipelines/dag.py); remove it")
     root = Path(path).resolve().parent.parent
     code = code_deps(root, tuple(f"stages.{name}" for name in doc["stages"]))
+    kind = base_kind(params or root / "params.yaml")
     stages = {}
     for name, entry in doc["stages"].items():
         unknown = set(entry) - STAGE_KEYS
         if unknown:
             raise TableError(f"{path}: stage {name}: unknown key(s) {sorted(unknown)}; valid: {sorted(STAGE_KEYS)}")
+        entry = for_base(entry, kind, f"{path}: stage {name}")
+        if entry is None:
+            continue
         res = {**base_resources, **entry.get("resources", {})}
         if set(res) - RESOURCE_KEYS:
             raise TableError(f"{path}: stage {name}: unknown resource(s) {sorted(set(res) - RESOURCE_KEYS)}")

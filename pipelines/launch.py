@@ -68,13 +68,14 @@ import time
 from pathlib import Path
 
 from pipelines import verify
-from pipelines.dag import fill, load_table
+from pipelines.dag import LAUNCH, TABLE, fill, load_table, parse_yaml
 from pipelines.sync import forget_records
 from stages.common import config, contract, train_config
 
 
 class Refused(Exception):
     """Input the stage would refuse, found before any process starts: the stage's own line (exit 2)."""
+
 
 # The training stages the memory planner checks before they start on GPUs.
 PLANNED = ("pretrain", "extend_context", "finetune_qlora")
@@ -199,10 +200,10 @@ def gpu_memory_gib() -> float | None:
 
 
 def host_memory_gib(stage: str, env: dict) -> float:
-    """The host memory a stage may use per node: its mem_mb inside a SLURM job (the allocation's limit),
+    """The host memory a stage may use per node: the allocation's inside a SLURM job (SLURM_MEM_PER_NODE, MB),
     else the node's MemTotal."""
-    if env.get("SLURM_JOB_ID"):
-        return float(load_table()[stage].resources["mem_mb"]) / 1024
+    if env.get("SLURM_MEM_PER_NODE", "").isdigit():
+        return float(env["SLURM_MEM_PER_NODE"]) / 1024
     with open("/proc/meminfo") as fh:
         return int(fh.readline().split()[1]) / 2**20
 
@@ -224,6 +225,11 @@ def processes(stage: str, env: dict) -> tuple[int, int]:
     name = stage.split("@", 1)[0]
     table = load_table()
     if name not in table:
+        if name in parse_yaml(TABLE.read_text())["stages"]:
+            raise SystemExit(
+                f"launch: stage {name} is not in the pipeline for params.yaml's base model (base.model: the "
+                f"pipeline's own pretrain when empty, the base stage's copy of another model when set)"
+            )
         raise SystemExit(f"launch: unknown stage {name!r}; stages: {', '.join(table)}")
     res = table[name].resources
     nproc = int(res["nproc_per_node"])
@@ -349,10 +355,40 @@ def mark_pipeline(stage: str, code: int) -> None:
         print(f"launch: could not mark the pipeline's MLflow run: {e}", file=sys.stderr, flush=True)
 
 
+def stale_dag(stage: str, args: list[str], env: dict) -> str | None:
+    """Why this is the command of a dvc.yaml made for another pipeline than the table gives for params.yaml
+    now (base.model changed since `make dag`), or None. A command run by hand or by Snakemake (which reads
+    params.yaml as it loads) is never stale."""
+    dvc_yaml = Path("dvc.yaml")
+    if env.get(contract.SNAKEMAKE) or not dvc_yaml.is_file():
+        return None
+    name, _, item = stage.partition("@")
+    try:
+        entry = (parse_yaml(dvc_yaml.read_text()) or {}).get("stages", {}).get(name)
+    except Exception:  # noqa: BLE001 - an unreadable dvc.yaml is DVC's to report
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("do", entry).get("cmd"), str):
+        return None
+    recorded = fill(entry.get("do", entry)["cmd"], item or None)
+    if " ".join([*LAUNCH.split(), stage, *args]) != " ".join(recorded.split()):
+        return None  # (not dvc.yaml's command: a run by hand)
+    table = load_table()
+    wanted = fill(table[name].cmd(), item or None) if name in table else None
+    if wanted is not None and " ".join(wanted.split()) == " ".join(recorded.split()):
+        return None
+    return (
+        "dvc.yaml was made for another base model than params.yaml's base.model names now; run "
+        "`python -m pipelines.dag write` (make dag), then dvc repro again"
+    )
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
     try:
+        stale = stale_dag(sys.argv[1], sys.argv[2:], os.environ)
+        if stale:
+            raise Refused(f"error: launch: {sys.argv[1]}: {stale}")
         cmd = command(sys.argv[1], sys.argv[2:])
         damaged = verify.damaged_input(sys.argv[1], contract.workspace())
         if damaged:

@@ -39,7 +39,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipelines import plan_budget
+from pipelines import cluster, plan_budget
 from pipelines.plan_budget import GIB, Layout
 from stages.common import config
 
@@ -57,7 +57,6 @@ TRAIN_DEFAULTS = {
     "data_parallel_replicate": 1,
     "async_checkpoint": True,
 }
-PRETRAIN_OUTPUT = "data/pretrain/model"  # the DAG's base of extend_context and finetune_qlora
 STAGE_LIBRARIES = {"finetune_qlora": ("peft", "bitsandbytes")}
 
 
@@ -71,7 +70,7 @@ class Machine:
     procs: int | None = None
     """CPU processes per node instead of the stage's nproc_per_node."""
     host_mem: float | None = None
-    """GiB per node instead of the stage's mem_mb."""
+    """GiB per node instead of the stage's memory request (pipelines/stages.yaml, pipelines.cluster)."""
     disk: float | None = None
     mfu: float = 0.4
     gpu_reserve: float = 1.0
@@ -142,13 +141,19 @@ def specs(params: dict, stage: str | None, machine: Machine, layout_of) -> list[
             name = f"{section}@{item}" if item else section
             if stage and stage not in (name, section):
                 continue
-            out.append(spec_of(section, item, sec, pretrained, machine, layout_of))
+            out.append(spec_of(section, item, sec, base_of(params, pretrained), machine, layout_of))
     if stage and not out:
         raise config.ConfigError(f"plan: no training stage {stage!r}; stages: {', '.join(TRAINING)} (name@item)")
     return out
 
 
-def spec_of(section: str, item, sec: dict, pretrained: dict, machine: Machine, layout_of) -> StageSpec:
+def base_of(params: dict, pretrained: dict) -> dict | str:
+    """The base model of extend_context and finetune_qlora: the pretrain stage's (its model section), or the
+    model params.yaml's base.model names (a hub id or a folder; the base stage copies it)."""
+    return (params.get("base") or {}).get("model") or pretrained
+
+
+def spec_of(section: str, item, sec: dict, pretrained: dict | str, machine: Machine, layout_of) -> StageSpec:
     train = {**TRAIN_DEFAULTS, **sec["train"]}
     name = f"{section}@{item}" if item else section
     gpu = machine.gpus > 0
@@ -164,14 +169,14 @@ def spec_of(section: str, item, sec: dict, pretrained: dict, machine: Machine, l
         s.source = llama_keys(sec["model"], pretrained["vocab_size"])
         s.seq = max(sec["contexts"])
     elif section == "extend_context":
-        original = sec["original_context"] or pretrained["max_position_embeddings"]
+        from pipelines import plan_trace
+
+        original = sec["original_context"] or plan_trace.model_config(pretrained)[0].max_position_embeddings
         s.seq = int(round(sec["factor"] * original))
         s.runs = max(1, len(sec["finetune"]))
         s.models_out = 1 + len(sec["variants"]) + len(sec["finetune"])
         s.notes.append(f"{len(sec['finetune'])} fine-tunes at {s.seq} tokens, one after another")
     else:
-        base = sec["base"]
-        s.source = pretrained if base.rstrip("/") == PRETRAIN_OUTPUT else base
         s.seq = sec["seq_length"]
         s.quantized = (item or sec["quantization"]) == "nf4"
         s.double_quant = bool(sec["double_quant"]) and s.quantized
@@ -291,8 +296,8 @@ def check(s: StageSpec, result: dict, machine: Machine, host_limit: float) -> st
         phase = max(b.host, key=b.host.get)
         return (
             f"plan: {s.name} needs {gib(b.host[phase])} of host memory per node ({phase}) against {gib(host_limit)}; "
-            f"raise {s.section}.resources.mem_mb in pipelines/stages.yaml (or give --host-mem)"
-            + (f", or change {biggest_key(s, b)}" if phase == "train" and not s.gpu else "")
+            f"raise {s.section}'s {'mem_mb_per_gpu' if s.gpu else 'mem_mb_per_process'} in pipelines/stages.yaml "
+            "(or give --host-mem)" + (f", or change {biggest_key(s, b)}" if phase == "train" and not s.gpu else "")
         )
     total_disk = sum(b.disk.values())
     if machine.disk and total_disk > machine.disk * GIB:
@@ -349,7 +354,7 @@ def plan(params: dict, machine: Machine, stage: str | None = None) -> list[dict]
         layout = layout_of(s)
         result = plan_stage(s, machine, layout, baselines)
         res = resources(s.section)
-        host_limit = machine.host_mem * GIB if machine.host_mem else int(res["mem_mb"]) * 2**20
+        host_limit = machine.host_mem * GIB if machine.host_mem else cluster.processes(res, not machine.gpus)[2] * 2**20
         rows.append({"spec": s, **result, "host_limit": host_limit, "refused": check(s, result, machine, host_limit)})
     return rows
 
@@ -432,7 +437,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-mem", type=float, help="GiB per GPU")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--procs", type=int, help="CPU processes per node instead of the stage's")
-    parser.add_argument("--host-mem", type=float, help="GiB of host memory per node instead of the stage's mem_mb")
+    parser.add_argument("--host-mem", type=float, help="GiB of host memory per node instead of the stage's request")
     parser.add_argument("--disk", type=float, help="GiB of free disk")
     parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilization assumed for the time")
     parser.add_argument("--gpu-reserve", type=float, default=1.0, help="GiB per GPU for the CUDA context and slack")

@@ -54,8 +54,13 @@ def main() -> None:
     parser.add_argument("preset", choices=available())
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
+    from pipelines import dag
+
+    before = dag.base_kind(args.params)
     apply(args.preset, args.params)
     print(f"applied preset {args.preset} to {args.params}")
+    if dag.base_kind(args.params) != before and args.params.resolve() == dag.ROOT / "params.yaml":
+        dag.main(["write"])  # (the base model changed kind: dvc.yaml's stages follow it)
 
 
 if __name__ == "__main__":

@@ -142,7 +142,15 @@ def marked_incomplete(root: Path = Path(".")) -> set[str]:
 def rule_sections(st: Stage, params: dict) -> str:
     """The params sections of a stage as its Snakemake rule declares them (params `sections`), so Snakemake
     records them and a change re-runs the stage."""
-    return json.dumps({s: params.get(s) for s in st.params}, sort_keys=True)
+    return json.dumps({s: param(params, s) for s in st.params}, sort_keys=True)
+
+
+def param(params: dict, key: str):
+    """A params section, or one value of it by a dotted key (base.model) as DVC reads such a key."""
+    value = params
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def declared(st: Stage, name: str, item: str | None, params: dict) -> tuple[set[str], list[str]]:

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common import atomic, ckpt, config, hf_folder, loop, runtime, shards, stage, train_config
+from stages.common import atomic, ckpt, config, hf_folder, loop, registry, runtime, shards, stage, train_config
 from stages.common.stagerun import StageRun
 from stages.common.tracking.tracker import Tracker
 
@@ -155,6 +155,11 @@ def check_inputs(base: Path, data: Path, cfg: Config):
         raise config.UserError(
             f"extend_context: the shards in {data} use {meta['vocab_size']} token ids but the base "
             f"model has {base_config.vocab_size}; use the tokenizer the base model was trained with"
+        )
+    if not shards.same_tokenizer(data, base):
+        raise config.UserError(
+            f"extend_context: the shards in {data} were encoded with another tokenizer than {base}'s; encode the "
+            f"corpus with the base's (python -m stages.tokenize --tokenizer {base}: the DAG's, with base.model set)"
         )
     if cfg.finetune:
         for split in ("train", "val"):
@@ -322,6 +327,7 @@ def write_outputs(
         v.update(rope_parameters=c.rope_parameters, max_position_embeddings=c.max_position_embeddings)
     meta = {
         "base": str(base),
+        **registry.origin(base),
         "original_context": original,
         "factor": cfg.factor,
         "extended_context": int(round(cfg.factor * original)),
@@ -352,7 +358,7 @@ def run(
     context = int(round(cfg.factor * original))
     run = StageRun(STAGE, cfg, rt, stop, stage.inputs_hash([base, data], rt))
     summaries, finals = {}, {}
-    with run.tracked(tags={"base": str(base)}):
+    with run.tracked(tags={"base": str(base), **registry.origin(base)}):
         for name in cfg.finetune:
             runtime.print0(f"extend_context: fine-tuning {name} at context {context}", rt=rt)
             with run.checkpoints(variant=name) as folder:

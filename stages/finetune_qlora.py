@@ -1,6 +1,7 @@
 """finetune_qlora: instruction-tune a causal LM with LoRA adapters on a 4-bit NF4 base, under FSDP2.
 
-Loads the base model (`base`: a Hugging Face folder such as the pretrain stage's model, or a hub id)
+Loads the base model (`--base`: a Hugging Face folder, the pretrain stage's model or the base stage's
+copy of a hub model)
 with `BitsAndBytesConfig` (NF4, double quantization, compute dtype, and a quant storage dtype equal to
 the dtype FSDP shards: fp32 on CPU, bf16 on GPU), adds PEFT LoRA adapters to the linear layers in
 `target_modules`, and trains only the adapters with the codebase's one loop (stages/common/loop.py:
@@ -18,7 +19,8 @@ Checkpoints (adapters, optimizer, step, RNG; the data position is the step) live
 checkpoints/finetune_qlora/<hash of params and inputs>/step-<n>/; re-running resumes from the newest.
 
 Run:
-    python -m stages.finetune_qlora --input data/prepare_data --output data/finetune_qlora/nf4 [key=value ...]
+    python -m stages.finetune_qlora --base data/pretrain/model --input data/prepare_data \\
+        --output data/finetune_qlora/nf4 [key=value ...]
     torchrun --nproc-per-node 2 -m stages.finetune_qlora --input data/prepare_data \\
         --output data/finetune_qlora/none quantization=none
     snakemake --cores all data/finetune_qlora/nf4 data/finetune_qlora/none   # or: dvc repro finetune_qlora
@@ -41,14 +43,13 @@ import dataclasses
 import functools
 import gc
 import math
-import re
 import resource
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from stages.common import atomic, config, hf_folder, instructions, loop, runtime, stage, train_config
+from stages.common import atomic, config, hf_folder, instructions, loop, registry, runtime, stage, train_config
 from stages.common.stagerun import StageRun
 from stages.models import llama
 
@@ -79,7 +80,6 @@ class LoRA:
 
 @dataclass(frozen=True)
 class Config:
-    base: str
     quantization: str
     quant_storage: str
     double_quant: bool
@@ -88,6 +88,7 @@ class Config:
     seq_length: int
     eval_fraction: float
     train: train_config.AdapterTrainConfig
+    base: str = ""  # the model folder of --base (a path: not a param); set by main
 
     def __post_init__(self):
         if self.quantization not in QUANTIZATIONS:
@@ -118,27 +119,25 @@ def check_base(cfg: Config) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(cfg.base)
-    if path.exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", cfg.base):  # a folder, not an org/name hub id
-        if not (path / "config.json").is_file():
-            raise config.UserError(
-                f"finetune_qlora.base: {path} holds no config.json; run the pretrain stage first "
-                f"or set finetune_qlora.base to a model folder or hub id"
-            )
-        pickled = hf_folder.pickled_weights(path)
-        if pickled:
-            raise config.UserError(f"finetune_qlora.base: {path} {pickled}")
-        problem = hf_folder.weights_problem(path)
-        if problem:
-            raise config.UserError(
-                f"finetune_qlora.base: {path} {problem}; re-run the stage that wrote it or point base at a "
-                f"complete model folder"
-            )
+    if not (path / "config.json").is_file():
+        raise config.UserError(
+            f"finetune_qlora: --base {path} holds no config.json; run the stage that writes it first (pretrain, "
+            f"or base for a hub model: params base.model), or pass --base a Hugging Face model folder"
+        )
+    pickled = hf_folder.pickled_weights(path)
+    if pickled:
+        raise config.UserError(f"finetune_qlora: --base {path} {pickled}")
+    problem = hf_folder.weights_problem(path)
+    if problem:
+        raise config.UserError(
+            f"finetune_qlora: --base {path} {problem}; re-run the stage that wrote it or pass --base a "
+            f"complete model folder"
+        )
     try:
         mc = AutoConfig.from_pretrained(cfg.base)
     except OSError as e:
         raise config.UserError(
-            f"finetune_qlora.base: cannot load {cfg.base!r} ({str(e).splitlines()[0]}); "
-            f"give a model folder or a hub model id"
+            f"finetune_qlora: --base {cfg.base}: cannot load its config.json ({str(e).splitlines()[0]})"
         ) from None
     if "all-linear" not in cfg.lora.target_modules:
         with torch.device("meta"):
@@ -376,7 +375,7 @@ def run(
     steps = cfg.train.steps
     digest = stage.inputs_hash([records_path, Path(cfg.base)] if Path(cfg.base).exists() else [records_path], rt)
     run = StageRun(STAGE, cfg, rt, stop, digest)
-    with run.checkpoints() as folder, run.tracked() as tracker:
+    with run.checkpoints() as folder, run.tracked(tags={"base": cfg.base, **registry.origin(cfg.base)}) as tracker:
         result = loop.fit(model, train_src, eval_src, train_cfg, cfg.seq_length, run)
         hist = result.history
         if hist["val_step"] and hist["val_step"][-1] == steps:
@@ -406,6 +405,7 @@ def run(
         )
         meta = {
             "base": cfg.base,
+            **registry.origin(cfg.base),
             "quantization": cfg.quantization,
             "step": steps,
             "dropped_records": dropped,
@@ -454,8 +454,11 @@ def check_records(inp: Path) -> tuple[Path, list[dict]]:
 
 
 def main(argv=None) -> dict:
-    paths = {"input": "data/prepare_data", "output": "data/finetune_qlora/nf4"}
+    paths = {"input": "data/prepare_data", "output": "data/finetune_qlora/nf4", "base": "data/pretrain/model"}
     args, cfg = stage.setup(__doc__, STAGE, Config, paths, argv)
+    if cfg.base:
+        raise config.UserError(f"finetune_qlora.base ({cfg.base}): the base is a path, given as --base; remove the key")
+    cfg = dataclasses.replace(cfg, base=args.base)
     output = Path(args.output)
     records_path, records = check_records(Path(args.input))
     base_config = check_base(cfg)

@@ -1,4 +1,6 @@
 """tokenize: train a byte-level BPE tokenizer on the train split and pack every split into token shards.
+With `--tokenizer FOLDER` (a model folder: the base stage's copy of a hub model), encode with that model's
+tokenizer instead of training one, so the shards speak the vocabulary of the model that will read them.
 
 Reads data/prepare_data/corpus/ and writes data/tokenize/: the tokenizer in Hugging Face format
 (`AutoTokenizer.from_pretrained("data/tokenize/tokenizer")`), token shards per split and meta.json.
@@ -23,6 +25,7 @@ appended to, changed) is named in a warning and encoded again, and the join chec
 
 Run:
     python -m stages.tokenize --input data/prepare_data --output data/tokenize [key=value ...]
+    python -m stages.tokenize --tokenizer data/base/model --input data/prepare_data --output data/tokenize
     torchrun --nproc-per-node 2 -m stages.tokenize --input data/prepare_data --output data/tokenize
     snakemake --cores all tokenize            # or: dvc repro tokenize
 """
@@ -41,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.common import atomic, ckpt, config, digest, runtime, shards, stage
+from stages.common import atomic, ckpt, config, digest, registry, runtime, shards, stage
 from stages.common.tracking.tracker import Tracker
 
 STAGE = "tokenize"
@@ -105,9 +108,9 @@ def utf8_error(path: Path) -> str | None:
             offset += len(block)
 
 
-def check_input(folder: Path, cfg: Config) -> None:
+def check_input(folder: Path, cfg: Config, trains: bool = True) -> None:
     """Fail before any compute when prepare_data's output is missing or incomplete, a split is empty or
-    too small to train or measure on, or its text is not UTF-8."""
+    too small to train (`trains`: a tokenizer is trained on it) or measure on, or its text is not UTF-8."""
     for split in SPLITS:
         for name in (f"{split}.txt", f"{split}.docs.npy"):
             if not (folder / "corpus" / name).is_file():
@@ -119,7 +122,7 @@ def check_input(folder: Path, cfg: Config) -> None:
     for split in SPLITS:
         path = folder / "corpus" / f"{split}.txt"
         size = path.stat().st_size
-        if split == "train":
+        if split == "train" and trains:
             least = min_train_bytes(cfg)
             used = min(size, cfg.train_max_bytes or size)
             why = (
@@ -136,7 +139,7 @@ def check_input(folder: Path, cfg: Config) -> None:
                     f"tokenize: {path} holds {size:,} bytes of text, the tokenizer needs {why}; {more}, "
                     "or lower tokenize.vocab_size"
                 )
-        elif size < MIN_HELD_OUT_BYTES:
+        elif split != "train" and size < MIN_HELD_OUT_BYTES:
             raise config.UserError(
                 f"tokenize: {path} holds {size:,} bytes of text, fewer than the {MIN_HELD_OUT_BYTES:,} a {split} "
                 f"split needs for a loss to compare runs by; raise prepare_data.{split}_fraction (or max_bytes), or "
@@ -175,6 +178,36 @@ def train_tokenizer(corpus: Path, cfg: Config, show_progress: bool):
     )
     tok.train_from_iterator(iter_lines(corpus / "train.txt", cfg.train_max_bytes), trainer)
     return tok
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """The tokenizer the shards are encoded with (a `tokenizers.Tokenizer`), the special tokens that end a
+    document and pad a batch, and how its Hugging Face form is saved beside the shards."""
+
+    tok: object
+    eos: str
+    pad: str
+    save: object  # save(folder): the tokenizer in Hugging Face format
+
+
+def given_vocabulary(folder: Path) -> Vocabulary:
+    """A model's own tokenizer (its fast, `tokenizers`-backed form), checked before any compute."""
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise config.UserError(
+            f"tokenize: --tokenizer {folder}: cannot load its tokenizer ({str(e).splitlines()[0]})"
+        ) from None
+    if not hf.is_fast:
+        raise config.UserError(
+            f"tokenize: --tokenizer {folder}: its tokenizer has no fast (tokenizers) form to encode with"
+        )
+    if hf.eos_token is None:
+        raise config.UserError(f"tokenize: --tokenizer {folder}: its tokenizer has no eos token to end documents with")
+    return Vocabulary(hf.backend_tokenizer, hf.eos_token, hf.pad_token or hf.eos_token, hf.save_pretrained)
 
 
 def save_hf_tokenizer(tok, folder: Path) -> None:
@@ -242,14 +275,15 @@ def read_batches(txt: Path, offsets: np.ndarray, start: int, end: int, batch_lin
 
 
 def encode_range(
-    tok, txt: Path, offsets: np.ndarray, start: int, end: int, out: Path, cfg: Config, bar
+    vocab: Vocabulary, txt: Path, offsets: np.ndarray, start: int, end: int, out: Path, cfg: Config, bar
 ) -> tuple[dict, dict]:
     """Encode the lines in [start, end) into the raw id file `out`; an eos follows each document end.
     Returns the chunk's counts and the size and sha256 of the ids written.
 
     The encoder releases the GIL, so one worker thread encodes the next batch while this thread turns
     the previous one into ids on disk."""
-    eos = tok.token_to_id(shards.EOS_TOKEN)
+    tok = vocab.tok
+    eos = tok.token_to_id(vocab.eos)
     dtype = shards.dtype_for(tok.get_vocab_size())
     counts = {"tokens": 0, "bytes": end - start, "words": 0, "documents": 0}
     written = hashlib.sha256()
@@ -280,7 +314,7 @@ def encode_range(
     return counts, {"bytes": counts["tokens"] * dtype.itemsize, "sha256": written.hexdigest()}
 
 
-def trained_tokenizer(cfg: Config, corpus: Path, work: Path, rt: runtime.Runtime):
+def trained_vocabulary(cfg: Config, corpus: Path, work: Path, rt: runtime.Runtime) -> Vocabulary:
     """The tokenizer of this run: trained on rank 0 and kept in `work`, or the one an interrupted run kept."""
     from tokenizers import Tokenizer
 
@@ -290,7 +324,8 @@ def trained_tokenizer(cfg: Config, corpus: Path, work: Path, rt: runtime.Runtime
         tok.save(str(work / ".tokenizer.json.tmp"))
         os.replace(work / ".tokenizer.json.tmp", saved)
     runtime.barrier()
-    return Tokenizer.from_file(str(saved))
+    tok = Tokenizer.from_file(str(saved))
+    return Vocabulary(tok, shards.EOS_TOKEN, shards.PAD_TOKEN, lambda folder: save_hf_tokenizer(tok, folder))
 
 
 def chunk_done(work: Path, split: str, k: int) -> bool:
@@ -330,7 +365,7 @@ def chunks_to_encode(work: Path, chunks: list) -> list:
     return todo
 
 
-def encode_chunks(tok, cfg: Config, corpus: Path, work: Path, rt: runtime.Runtime) -> dict:
+def encode_chunks(vocab: Vocabulary, cfg: Config, corpus: Path, work: Path, rt: runtime.Runtime) -> dict:
     """Encode every chunk of every split not encoded yet (the plan is made once, by the first run: any
     later world size follows it). Chunk k of a split becomes <split>-<k>.ids, then <split>-<k>.json with
     its counts: a chunk is done when its .json exists. Returns this process's tokens and seconds."""
@@ -352,7 +387,7 @@ def encode_chunks(tok, cfg: Config, corpus: Path, work: Path, rt: runtime.Runtim
             txt = corpus / f"{split}.txt"
             name = work / f"{split}-{k:06d}"
             name.with_suffix(".json").unlink(missing_ok=True)  # (a damaged chunk's record goes first)
-            counts, ids = encode_range(tok, txt, offsets[split], start, end, work / f".{name.name}.tmp", cfg, bar)
+            counts, ids = encode_range(vocab, txt, offsets[split], start, end, work / f".{name.name}.tmp", cfg, bar)
             os.replace(work / f".{name.name}.tmp", name.with_suffix(".ids"))
             atomic.write_json(name.with_suffix(".json"), {"counts": counts, "ids": ids})
             tokens += counts["tokens"]
@@ -365,31 +400,40 @@ def encode_chunks(tok, cfg: Config, corpus: Path, work: Path, rt: runtime.Runtim
 
 
 def tokenize(
-    cfg: Config, inp: Path, output: Path, measured: Path, rt: runtime.Runtime, tracker: Tracker, work: Path
+    cfg: Config,
+    inp: Path,
+    output: Path,
+    measured: Path,
+    rt: runtime.Runtime,
+    tracker: Tracker,
+    work: Path,
+    given: Path | None = None,
 ) -> dict:
     corpus = inp / "corpus"
     if rt.is_main:
         work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    tok = trained_tokenizer(cfg, corpus, work, rt)
+    vocabulary = given_vocabulary(given) if given else trained_vocabulary(cfg, corpus, work, rt)
+    tok = vocabulary.tok
     train_s = time.perf_counter() - t0
     vocab = tok.get_vocab_size()
     dtype = shards.dtype_for(vocab)
-    encoded = runtime.gather_objects(encode_chunks(tok, cfg, corpus, work, rt))
+    encoded = runtime.gather_objects(encode_chunks(vocabulary, cfg, corpus, work, rt))
     encode_s = max(e["seconds"] for e in encoded)
 
     meta = None
     with atomic.folder(output, rt) as tmp:
         if rt.is_main:
-            save_hf_tokenizer(tok, tmp / "tokenizer")
+            vocabulary.save(tmp / "tokenizer")
             meta = {
                 "format": shards.FORMAT,
                 "dtype": dtype.name,
                 "vocab_size": vocab,
-                "bos_token_id": tok.token_to_id(shards.EOS_TOKEN),
-                "eos_token_id": tok.token_to_id(shards.EOS_TOKEN),
-                "pad_token_id": tok.token_to_id(shards.PAD_TOKEN),
+                "bos_token_id": tok.token_to_id(vocabulary.eos),
+                "eos_token_id": tok.token_to_id(vocabulary.eos),
+                "pad_token_id": tok.token_to_id(vocabulary.pad),
                 "shard_tokens": cfg.shard_tokens,
+                **({"tokenizer": str(given), **registry.origin(given)} if given else {}),
                 "splits": {},
             }
             plan = json.loads((work / "plan.json").read_text())
@@ -440,10 +484,10 @@ def tokenize(
     return runtime.broadcast_object(meta)
 
 
-def run(cfg: Config, inp: Path, output: Path, measured: Path, rt: runtime.Runtime) -> dict:
+def run(cfg: Config, inp: Path, output: Path, measured: Path, rt: runtime.Runtime, given: Path | None = None) -> dict:
     # The tokenizers thread pool would otherwise claim every core in every process.
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // rt.local_world_size)))
-    digest = stage.inputs_hash([inp / "corpus"], rt)
+    digest = stage.inputs_hash([inp / "corpus", *([given] if given else [])], rt)
     # The work folder (tokenizer, chunk plan, encoded chunks) of these params and corpus: a run stopped
     # mid-way, even by SIGKILL, keeps what it finished, and the next run picks up from there.
     import tokenizers
@@ -454,7 +498,7 @@ def run(cfg: Config, inp: Path, output: Path, measured: Path, rt: runtime.Runtim
         stage.checkpoints(STAGE, cfg, digest, rt, **key) as work,
         stage.tracked(STAGE, cfg, digest, rt) as (tracker, _),
     ):
-        meta = tokenize(cfg, inp, output, measured, rt, tracker, work.path)
+        meta = tokenize(cfg, inp, output, measured, rt, tracker, work.path, given)
         if rt.is_main:
             ckpt.discard(work.path)
     runtime.print0(
@@ -467,11 +511,15 @@ def run(cfg: Config, inp: Path, output: Path, measured: Path, rt: runtime.Runtim
 
 
 def main(argv=None) -> dict:
-    args, cfg = stage.setup(__doc__, STAGE, Config, {"input": "data/prepare_data", "output": "data/tokenize"}, argv)
+    paths = {"input": "data/prepare_data", "output": "data/tokenize", "tokenizer": ""}
+    args, cfg = stage.setup(__doc__, STAGE, Config, paths, argv)
     inp, output = Path(args.input), Path(args.output)
-    check_input(inp, cfg)
+    given = Path(args.tokenizer) if args.tokenizer else None
+    check_input(inp, cfg, trains=given is None)
+    if given:
+        given_vocabulary(given)  # (loads: one line on a folder without a usable tokenizer, before any compute)
     measured = Path(args.measured)
-    return stage.launch(STAGE, lambda rt, stop: run(cfg, inp, output, measured, rt))
+    return stage.launch(STAGE, lambda rt, stop: run(cfg, inp, output, measured, rt, given))
 
 
 if __name__ == "__main__":

@@ -118,6 +118,8 @@ HOW: dict[str, tuple[str, str]] = {
     "make mlflow-ui": ("marked", "a server (tests/system/test_browser.py serves it and browses it)"),
     "make mlflow-ui MLFLOW_PORT=5001": ("marked", "a server (tests/system/test_browser.py)"),
     "hf auth login": ("marked", "network: interactive hub login"),
+    "python -m pipelines.dag write": ("run", "with the clone's params: writes dvc.yaml as it is"),
+    "snakemake -n data/finetune_qlora/nf4": ("run", "a dry run (tests/test_base.py plans and runs a hub base)"),
     "python -m pipelines.preset llama3-8b-qlora": ("run", "in a copy of the clone's params.yaml"),
     "snakemake --profile pipelines/profiles/slurm data/finetune_qlora/nf4 data/finetune_qlora/none": (
         "marked",

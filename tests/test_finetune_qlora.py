@@ -243,7 +243,9 @@ def test_errors_before_any_compute(base, tmp_path):
     no_weights = tmp_path / "noweights"
     no_weights.mkdir()
     shutil.copy(base / "data/pretrain/model/config.json", no_weights)
-    with pytest.raises(config.UserError, match="finetune_qlora.base: .*noweights has no weights"):
+    with pytest.raises(config.UserError, match="finetune_qlora: --base .*noweights has no weights"):
+        ft.main([*args, "--base", str(no_weights)])
+    with pytest.raises(config.UserError, match=r"finetune_qlora.base \(.*\): the base is a path, given as --base"):
         ft.main([*args, f"base={no_weights}"])
     with pytest.raises(config.UserError, match="target_modules: qkv match no linear layer .* q_proj"):
         ft.main([*args, "lora.target_modules=[q_proj, qkv]"])

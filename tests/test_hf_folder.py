@@ -34,7 +34,7 @@ def test_a_folder_with_only_pickled_weights_is_refused_before_anything_loads_it(
     tail = re.escape(f"; {fix}") + r".*or give a folder with model\.safetensors$"
 
     cfg = config.load(finetune_qlora.Config, "finetune_qlora", ROOT / "params.yaml", [f"base={model}"])
-    with pytest.raises(config.UserError, match=f"^finetune_qlora.base: {refusal}.*{tail}"):
+    with pytest.raises(config.UserError, match=f"^finetune_qlora: --base {refusal}.*{tail}"):
         finetune_qlora.check_base(cfg)
     cfg = config.load(extend_context.Config, "extend_context", ROOT / "params.yaml", [])
     with pytest.raises(config.UserError, match=f"^extend_context: {refusal}.*{tail}"):

@@ -48,11 +48,13 @@ def test_llama3_8b_qlora_fits_8_gpus_of_80_gb_with_the_host_memory_its_header_na
     assert 8.0e9 < base < 8.1e9  # Llama-3-8B's 8.03B
 
 
-def test_the_stage_resources_host_memory_cannot_hold_the_8b_merge():
+def test_a_node_whose_host_memory_cannot_hold_the_8b_merge_is_refused_naming_the_request():
     rows = planned("llama3-8b-qlora", plan.Machine(gpus=8, gpu_mem=80, process_mb=PROCESS_MB), "finetune_qlora@nf4")
-    line = rows["finetune_qlora@nf4"]["refused"]
+    assert rows["finetune_qlora@nf4"]["refused"] is None, "the stage's request (8 x mem_mb_per_gpu) holds it"
+    machine = plan.Machine(gpus=8, gpu_mem=80, host_mem=16, process_mb=PROCESS_MB)
+    line = planned("llama3-8b-qlora", machine, "finetune_qlora@nf4")["finetune_qlora@nf4"]["refused"]
     assert line.startswith("plan: finetune_qlora@nf4 needs ") and "(merge)" in line, line
-    assert "finetune_qlora.resources.mem_mb in pipelines/stages.yaml" in line, line
+    assert "finetune_qlora's mem_mb_per_gpu in pipelines/stages.yaml" in line, line
 
 
 def test_a_24_gb_gpu_trains_the_8b_qlora_but_cannot_merge_it():

@@ -17,6 +17,8 @@ from conftest import MIRROR
 from shared_run import copy_of_run, sh
 from test_e2e import UP_TO_DATE, dvc_ran, snakemake_ran
 
+from pipelines import dag
+
 pytestmark = pytest.mark.e2e
 
 
@@ -41,7 +43,7 @@ def test_readme_commands_run_as_written(tmp_path, mirror, monkeypatch):
     monkeypatch.setenv("PIPELINE_DATA_MIRROR", str(MIRROR))
     # a text longer than the longest context evaluated
     (clone / "notes.txt").write_text((MIRROR / "tinyshakespeare/input.txt").read_text()[:60_000])
-    params = (clone / "params.yaml").read_text()
+    params, dvc_yaml = (clone / "params.yaml").read_text(), (clone / "dvc.yaml").read_text()
     ran = []
     for command, (how, _) in readme_commands.HOW.items():
         if how == "check":
@@ -65,7 +67,10 @@ def test_readme_commands_run_as_written(tmp_path, mirror, monkeypatch):
     sh("rm -rf data/eval_perplexity/compare", clone)
     sh("python -m pipelines.preset llama3-8b-qlora", clone)
     assert "meta-llama/Meta-Llama-3-8B" in (clone / "params.yaml").read_text()
+    stages = dag.parse_yaml((clone / "dvc.yaml").read_text())["stages"]  # (rewritten: the base stage, no pretrain)
+    assert "base" in stages and "pretrain" not in stages
     ran.append("python -m pipelines.preset llama3-8b-qlora")
     (clone / "params.yaml").write_text(params)
+    (clone / "dvc.yaml").write_text(dvc_yaml)
     assert UP_TO_DATE in sh("dvc status", clone)
     assert len(ran) == sum(how in ("run", "check") for how, _ in readme_commands.HOW.values())

@@ -64,6 +64,18 @@ def tag_key(text: str) -> str:
     return "/".join(part for part in key.split("/") if part not in ("", ".", ".."))
 
 
+def origin(folder: str | Path) -> dict:
+    """Where a model folder that the base stage wrote came from (base_model, base_revision, base_commit, from
+    its meta.json beside it), for the records of the stages that start from it; {} for any other folder."""
+    try:
+        record = json.loads((Path(folder).parent / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict) or "base_model" not in record:
+        return {}
+    return {key: record[key] for key in ("base_model", "base_revision", "base_commit") if record.get(key)}
+
+
 def lineage(output: Path, inputs: list[Path], section: dict, inputs_hash: str) -> dict:
     """The lineage tags shared by the models a stage published in `output` (see the module docstring)."""
     return {
@@ -73,6 +85,7 @@ def lineage(output: Path, inputs: list[Path], section: dict, inputs_hash: str) -
         "params_sha256": params_sha256(section),
         "inputs_hash": inputs_hash,
         **{tag_key(f"input.{p}"): dvc_md5(p) for p in inputs if Path(p).exists()},
+        **{key: value for p in inputs for key, value in origin(p).items()},  # (a hub base: its commit)
     }
 
 

@@ -90,6 +90,17 @@ def check_tokenizer(folder: str | Path) -> None:
             raise UserError(f"{path} is not whole JSON ({e}): the file is truncated or damaged; {REDO}") from None
 
 
+def same_tokenizer(folder: str | Path, model: str | Path) -> bool:
+    """Whether the shards in `folder` speak the vocabulary of the tokenizer saved with `model` (a model
+    folder without a tokenizer of its own is taken to use the shards')."""
+    from transformers import AutoTokenizer
+
+    if not any((Path(model) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return True
+    ours = AutoTokenizer.from_pretrained(Path(folder) / "tokenizer")
+    return ours.get_vocab() == AutoTokenizer.from_pretrained(model).get_vocab()
+
+
 def open_split(folder: str | Path, split: str) -> list[np.memmap]:
     """The split's shards as read-only memory maps, in order (checked against meta.json first)."""
     folder = Path(folder)
