@@ -118,6 +118,19 @@ HOW: dict[str, tuple[str, str]] = {
     "make mlflow-ui": ("marked", "a server (tests/system/test_browser.py serves it and browses it)"),
     "make mlflow-ui MLFLOW_PORT=5001": ("marked", "a server (tests/system/test_browser.py)"),
     "hf auth login": ("marked", "network: interactive hub login"),
+    "python -m pipelines.plan": ("run", "the clone's params on its CPUs"),
+    "python -m pipelines.plan --json": (
+        "marked",
+        "the same figures as the command above (tests/test_plan.py reads them)",
+    ),
+    "python -m pipelines.plan --preset llama3-8b-qlora --gpus 8 --gpu-mem 80": (
+        "marked",
+        "tests/test_plan.py plans every preset at the GPUs it targets",
+    ),
+    "python -m pipelines.plan --gpus 1 --gpu-mem 24 --stage finetune_qlora@nf4 finetune_qlora.train.micro_batch_size=1": (  # noqa: E501
+        "marked",
+        "tests/test_plan.py: a 24 GB GPU trains the 8B QLoRA but cannot merge it",
+    ),
     "python -m pipelines.dag write": ("run", "with the clone's params: writes dvc.yaml as it is"),
     "snakemake -n data/finetune_qlora/nf4": ("run", "a dry run (tests/test_base.py plans and runs a hub base)"),
     "python -m pipelines.preset llama3-8b-qlora": ("run", "in a copy of the clone's params.yaml"),
