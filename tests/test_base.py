@@ -202,8 +202,9 @@ def test_qlora_extension_and_evaluation_of_a_hub_model_run_without_pretrain(tmp_
     assert ft["base"] == "data/base/model" and ft["base_commit"] == commit and ft["world_size"] == 2
     figures = json.loads((clone / "data/finetune_qlora/nf4/figures.json").read_text())
     ppl = json.loads((clone / "data/eval_perplexity/base/metrics.json").read_text())
+    losses = (clone / "data/finetune_qlora/nf4/plots/loss.csv").read_text().split()
     print(
-        f"QLoRA on {REPO}@{commit[:12]} under 2 processes: train losses {figures.get('train_loss')}, eval loss "
+        f"QLoRA on {REPO}@{commit[:12]} under 2 processes: train loss by step {losses}, eval loss "
         f"{figures['eval_loss']:.4f} (perplexity {math.exp(figures['eval_loss']):.1f}); the base's perplexity: {ppl}"
     )
     assert "Data and pipelines are up to date" in sh(
