@@ -34,6 +34,16 @@ def test_the_ci_preset_fits_its_cpu_processes(procs):
         assert b.host["train"] == r["layout"].processes * b.phases["train"]
 
 
+@pytest.mark.parametrize(("gpus", "gpu_mem"), [(8, 80), (1, 24)])
+def test_the_gpu_preset_fits_a_node_of_8_gpus_and_a_single_gpu_with_the_same_params(gpus, gpu_mem):
+    rows = planned("gpu", plan.Machine(gpus=gpus, gpu_mem=gpu_mem, host_mem=125, process_mb=PROCESS_MB))
+    for name in ("pretrain", "extend_context", "finetune_qlora@nf4", "finetune_qlora@none"):
+        assert rows[name]["refused"] is None, rows[name]["refused"]
+    pretrain = rows["pretrain"]
+    assert (pretrain["spec"].micro, pretrain["spec"].accum) == ((8, 1) if gpus == 8 else (8, 8))
+    assert pretrain["budget"].peak < 8 * GIB  # the header's 7.4 GiB per GPU
+
+
 def test_llama3_8b_qlora_fits_8_gpus_of_80_gb_with_the_host_memory_its_header_names():
     machine = plan.Machine(gpus=8, gpu_mem=80, host_mem=48, process_mb=PROCESS_MB)
     rows = planned("llama3-8b-qlora", machine, "finetune_qlora")
