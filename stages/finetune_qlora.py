@@ -88,7 +88,7 @@ class Config:
     seq_length: int
     eval_fraction: float
     train: train_config.AdapterTrainConfig
-    base: str = ""  # the model folder of --base (a path: not a param); set by main
+    base: str = dataclasses.field(default="", metadata={"path": True})  # --base, set by main: not a param
 
     def __post_init__(self):
         if self.quantization not in QUANTIZATIONS:

@@ -81,7 +81,7 @@ def finetune(root, out, nproc, *extra, check=True, **env):
 
 
 def load_base(root, quantized=True):
-    cfg = config.load(ft.Config, ft.STAGE, root / "params.yaml", TINY)
+    cfg = dataclasses.replace(config.load(ft.Config, ft.STAGE, root / "params.yaml", TINY), base="data/pretrain/model")
     return ft.load_base(cfg, torch.device("cpu"), quantized).eval()
 
 
@@ -89,7 +89,7 @@ def eval_records(root):
     """The eval records of a TINY run, as the stage builds them."""
     from transformers import AutoTokenizer
 
-    cfg = config.load(ft.Config, ft.STAGE, root / "params.yaml", TINY)
+    cfg = dataclasses.replace(config.load(ft.Config, ft.STAGE, root / "params.yaml", TINY), base="data/pretrain/model")
     records = instructions.read_records(root / "data/prepare_data/instructions.jsonl")
     x, y, _ = instructions.encode(records, AutoTokenizer.from_pretrained(cfg.base), cfg.template, cfg.seq_length)
     _, rows = instructions.split(len(x), cfg.eval_fraction, cfg.train.seed)

@@ -243,14 +243,16 @@ def load(cls: type, section: str, params: str | Path = "params.yaml", overrides:
 
 
 def as_dict(cfg) -> dict:
-    """Plain, JSON-friendly nested dict of a config (sub-sections become mappings, tuples lists)."""
+    """Plain, JSON-friendly nested dict of a config (sub-sections become mappings, tuples lists): its params,
+    without a field that holds a path given on the command line (metadata {"path": True}), which is no param."""
 
     def plain(value):
         if isinstance(value, dict):
             return {k: plain(v) for k, v in value.items()}
         return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
-    return plain(dataclasses.asdict(cfg))
+    paths = {f.name for f in dataclasses.fields(cfg) if f.metadata.get("path")}
+    return plain({k: v for k, v in dataclasses.asdict(cfg).items() if k not in paths})
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
