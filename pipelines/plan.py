@@ -467,15 +467,11 @@ if __name__ == "__main__":
 def launch_check(stage: str, args: list[str], nproc: int, nodes: int, gpu_mem: float | None, host_mem: float):
     """The launcher's check before a training stage starts on GPUs (pipelines/launch.py): the stage's
     params file and key=value arguments as the stage reads them; the refusal line, or None."""
+    from pipelines.launch import params_and_overrides
+
     name, _, item = stage.partition("@")
-    path, overrides, values = "params.yaml", [], iter(args)
-    for arg in values:
-        if arg == "--params":
-            path = next(values, path)
-        elif arg.startswith("--params="):
-            path = arg.split("=", 1)[1]
-        elif "=" in arg and not arg.startswith("-"):
-            overrides.append(arg if arg.startswith(f"{name}.") else f"{name}.{arg}")
+    path, given = params_and_overrides(args)
+    overrides = [arg if arg.startswith(f"{name}.") else f"{name}.{arg}" for arg in given]
     machine = Machine(gpus=nproc, gpu_mem=gpu_mem, nodes=nodes, host_mem=host_mem)
     rows = plan(load_params(path, None, overrides), machine, stage if item else name)
     return next((r["refused"] for r in rows if r["refused"]), None)
