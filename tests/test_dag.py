@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import ROOT, ci_params, stage_env
 
-from pipelines import dag
+from pipelines import dag, sync
 from stages.common import config
 
 
@@ -140,7 +140,7 @@ def test_the_committed_dvc_lock_is_the_current_dag_on_the_current_params():
         if sorted(o["path"] for o in entry["outs"]) != stage["outs"]:
             problems.append("its outputs")
         locked = entry.get("params", {}).get("params.yaml", {})
-        changed = [k for k in stage["params"] if locked.get(k) != params[k]]
+        changed = [k for k in stage["params"] if locked.get(k) != sync.param(params, k)]  # (base.model: a dotted key)
         if changed:
             problems.append(f"params {changed}")
         differs = ", ".join(problems)
