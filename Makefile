@@ -43,8 +43,11 @@ $(PLOTS_TEMPLATE): $(STAMP) pipelines/plots.py
 
 venv: $(STAMP) $(PLOTS_TEMPLATE)
 
+# Then where the time went, per stage (pipelines/timebudget.py; the same table in docs/pipeline.md).
 run: $(STAMP)
-	snakemake --profile pipelines/profiles/local --cores all
+	@started=$$(date +%s.%N); code=0; \
+	  snakemake --profile pipelines/profiles/local --cores all || code=$$?; \
+	  python -m pipelines.timebudget --since $$started --docs docs/pipeline.md || true; exit $$code
 
 # Tests run in pytest-xdist workers, each module's tests in one worker, the longest modules first
 # (tests/conftest.py): much of a test's time is process start-up and waits that leave a core idle, so make

@@ -30,8 +30,9 @@ from pathlib import Path
 
 import yaml
 
+from pipelines import timebudget
 from pipelines.dag import parse_yaml
-from stages.common import contract
+from stages.common import contract, timing
 
 LOCK_FILE = Path("dvc.lock")
 GOOD_COPY = Path(".snakemake/dvc.lock.good")
@@ -241,7 +242,10 @@ def main(argv=None) -> None:
     if args.repair or not args.stage:
         print(f"dvc.lock: {repair()}")
         return
-    raise SystemExit(commit(args.stage))
+    code = commit(args.stage)
+    if code == 0:  # (this process's seconds, into the stage's time budget: pipelines.timebudget)
+        timebudget.add_commit(args.stage, time.time() - timing.process_created())
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import html
 import json
 from pathlib import Path
 
+from pipelines import timebudget
 from stages.common.config import flatten
 
 STYLE = """
@@ -99,6 +100,7 @@ def render(results: dict, root: Path) -> str:
         path = root / plot
         parts.append(image(path) if path.is_file() else f"<p>missing plot <code>{html.escape(plot)}</code></p>")
     parts += measured_parts(results, root)
+    parts += time_parts(root)
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>Pipeline results</title>'
         f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>\n"
@@ -124,6 +126,19 @@ def measured_parts(results: dict, root: Path) -> list[str]:
         parts += [f"<h3>{html.escape(stage)}</h3>", table(["figure", "value"], sorted(flatten(figures).items()))]
     parts += [image(root / p) for p in measured["plots"] if (root / p).is_file()]
     return parts
+
+
+def time_parts(root: Path) -> list[str]:
+    """Where each stage's wall time went (pipelines.timebudget), from measured/time/ (none without it)."""
+    records = timebudget.load(root / timebudget.FOLDER)
+    if not records:
+        return []
+    head, body = timebudget.rows(records)
+    return [
+        "<h2>Where the time went</h2><p>Seconds of wall time per stage run, by phase (the last run of each "
+        f"stage, <code>{html.escape(str(timebudget.FOLDER))}/</code>).</p>",
+        table(head, body),
+    ]
 
 
 def main(argv=None) -> Path:

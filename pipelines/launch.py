@@ -57,6 +57,7 @@ that DVC has just brought up to date. Without them Snakemake judges those output
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import shutil
 import signal
@@ -67,10 +68,10 @@ import threading
 import time
 from pathlib import Path
 
-from pipelines import verify
+from pipelines import timebudget, verify
 from pipelines.dag import LAUNCH, TABLE, fill, load_table, parse_yaml
 from pipelines.sync import forget_records
-from stages.common import config, contract, train_config
+from stages.common import config, contract, timing, train_config
 
 
 class Refused(Exception):
@@ -415,6 +416,7 @@ def main() -> None:
     stopped, error = contract.launch_files(os.getpid())
     stopped.unlink(missing_ok=True)
     error.unlink(missing_ok=True)
+    times = contract.time_file(os.getpid())
     # No terminal input: a background process group reading it would be stopped (SIGTTIN).
     # srun inside a job step of fewer nodes (Snakemake's around a rule) takes that step's nodes and
     # counts for the allocation's; the torchrun per node needs the job's.
@@ -439,6 +441,7 @@ def main() -> None:
             contract.LAST_LINE_FILE: str(error),
             contract.LAUNCH_HOST: socket.gethostname(),  # (the files are on this host)
             contract.WORLD_SIZE: str(nproc * nodes),  # what the stage's preflight expects
+            contract.TIME_FILE: str(times),
         },
     )
     warned, forwarded = [], []
@@ -477,6 +480,7 @@ def main() -> None:
     stopped.unlink(missing_ok=True)
     if code == 0 and not os.environ.get(contract.SNAKEMAKE):
         forget_snakemake_records(sys.argv[1])
+    record_times(sys.argv[1], times, nproc * nodes, code)
     if warned and code != 0 and os.environ.get("SLURM_JOB_ID"):
         requeue(os.environ["SLURM_JOB_ID"], code)  # first: the job's time limit is near
     if code != 0:
@@ -484,6 +488,21 @@ def main() -> None:
     if refused and nproc * nodes > 1:
         print(refused, file=sys.stderr, flush=True)  # the user's line, last (one process printed it last)
     raise SystemExit(code)
+
+
+def record_times(stage: str, times: Path, processes: int, code: int) -> None:
+    """The time budget of a stage the DAG tools ran (pipelines.timebudget): rank 0's times and this
+    launcher's, in measured/time/. The ranks' files are removed whatever the end."""
+    rank0 = times.with_name(f"{times.name}.rank0.json")
+    try:
+        if code == 0 and (os.environ.get(contract.SNAKEMAKE) or os.environ.get(contract.DVC_ROOT)):
+            record = json.loads(rank0.read_text())
+            launched = timing.process_created()
+            timebudget.write(stage, timebudget.stage_record(stage, launched, time.time(), processes, record))
+    except (OSError, ValueError, KeyError, TypeError):  # (a measurement: the stage's result stands without it)
+        pass
+    for path in times.parent.glob(f"{times.name}.rank*.json"):
+        path.unlink(missing_ok=True)
 
 
 def requeue(job_id: str, code: int) -> None:

@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.common import atomic, config, hf_folder, runtime, stage, wikitext
+from stages.common import atomic, config, hf_folder, runtime, stage, timing, wikitext
 
 STAGE = "eval_harness"
 WIKITEXT_FILE = Path("benchmarks") / "wikitext-2-raw" / "wiki.test.raw"
@@ -77,14 +77,7 @@ def model_folders(items: list[str]) -> dict[str, Path]:
         if not (folder / "config.json").is_file() and family:
             out |= {d.name: d for d in family}
             continue
-        if not (folder / "config.json").is_file():
-            raise config.UserError(f"eval_harness: --models {item}: no model (config.json) in {folder}")
-        pickled = hf_folder.pickled_weights(folder)
-        if pickled:
-            raise config.UserError(f"eval_harness: --models {item}: {folder} {pickled}")
-        problem = hf_folder.weights_problem(folder, False)
-        if problem:
-            raise config.UserError(f"eval_harness: --models {item}: {folder} {problem}; the checkpoint is incomplete")
+        hf_folder.check(folder, f"eval_harness: --models {item}: {folder}", "pass a model folder or a folder of them")
         out[label or folder.name] = folder
     if not out:
         raise config.UserError("eval_harness: pass --models FOLDER ... (Hugging Face model folders)")
@@ -177,6 +170,7 @@ def as_one_process():
             os.environ["LOCAL_RANK"] = before
 
 
+@timing.phase("evaluation")
 def evaluate(folder: Path, tasks, cfg: Config, rt: runtime.Runtime) -> tuple[dict, dict]:
     """({task: harness record}, {task: seconds}) of one model, on this rank alone: the weights are loaded
     here, as the harness's `hf` model loads them, and handed to it as a model of one process (given a
@@ -229,6 +223,7 @@ def run(models: dict, tasks: dict, cfg: Config, output: Path, measured: Path, rt
     from importlib.metadata import version
 
     labels = sorted(models)
+    runtime.share_cores(rt, len(labels))  # (one model on two processes: the one evaluating gets both cores)
     mine = {label: evaluate(models[label], tasks, cfg, rt) for label in labels[rt.rank :: rt.world_size]}
     everything = {}
     for part in runtime.gather_objects(mine):

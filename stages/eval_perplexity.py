@@ -66,7 +66,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages.common import atomic, config, faults, hf_folder, registry, runtime, shards, stage, watchdog, wikitext
+from stages.common import (
+    atomic,
+    config,
+    faults,
+    hf_folder,
+    registry,
+    runtime,
+    shards,
+    stage,
+    timing,
+    watchdog,
+    wikitext,
+)
 from stages.common.tracking.tracker import Tracker
 
 STAGE = "eval_perplexity"
@@ -197,7 +209,7 @@ def check_checkpoint(spec: ModelSpec):
     """The model's config, after checking that every file it needs is there (no weights are read)."""
     from transformers import AutoConfig
 
-    for folder, cfg_name, adapter in ((spec.path, "config.json", False), (spec.adapter, "adapter_config.json", True)):
+    for folder, adapter in ((spec.path, False), (spec.adapter, True)):
         if folder is None:
             continue
         where = f"eval_perplexity: --models {spec.label}: {folder}"
@@ -206,14 +218,7 @@ def check_checkpoint(spec: ModelSpec):
                 f"{where} not found; pass an existing Hugging Face checkpoint folder "
                 f"(if '{spec.label}' was meant as a params key, it is not one of this stage's)"
             )
-        if not (folder / cfg_name).is_file():
-            raise config.UserError(f"{where} has no {cfg_name}; it is not a complete checkpoint (save_pretrained)")
-        pickled = hf_folder.pickled_weights(folder, adapter)
-        if pickled:
-            raise config.UserError(f"{where} {pickled}")
-        problem = hf_folder.weights_problem(folder, adapter)
-        if problem:
-            raise config.UserError(f"{where} {problem}; the checkpoint is incomplete")
+        hf_folder.check(folder, where, "it is not a complete checkpoint (save_pretrained)", adapter=adapter)
     return AutoConfig.from_pretrained(spec.path)
 
 
@@ -389,6 +394,7 @@ def batches(windows: list, size: int):
         yield batch
 
 
+@timing.phase("evaluation")
 @torch.inference_mode()
 def evaluate(
     model, stream: Stream, context: int, stride: int, batch_size: int, rt: runtime.Runtime, watch=None, what: str = ""

@@ -132,14 +132,7 @@ def check_inputs(base: Path, data: Path, cfg: Config):
     """The base model's config and the token shards' meta, checked before any compute."""
     from transformers import AutoConfig
 
-    if not (base / "config.json").is_file():
-        raise config.UserError(f"extend_context: {base} has no config.json; pass --base a Hugging Face model folder")
-    pickled = hf_folder.pickled_weights(base)
-    if pickled:
-        raise config.UserError(f"extend_context: {base} {pickled}")
-    problem = hf_folder.weights_problem(base)
-    if problem:
-        raise config.UserError(f"extend_context: {base} {problem}; the checkpoint is incomplete")
+    hf_folder.check(base, f"extend_context: {base}", "pass --base a Hugging Face model folder")
     base_config = AutoConfig.from_pretrained(base)
     rope_type = (base_config.rope_parameters or {}).get("rope_type", "default")
     if rope_type != "default":

@@ -119,20 +119,13 @@ def check_base(cfg: Config) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(cfg.base)
-    if not (path / "config.json").is_file():
-        raise config.UserError(
-            f"finetune_qlora: --base {path} holds no config.json; run the stage that writes it first (pretrain, "
-            f"or base for a hub model: params base.model), or pass --base a Hugging Face model folder"
-        )
-    pickled = hf_folder.pickled_weights(path)
-    if pickled:
-        raise config.UserError(f"finetune_qlora: --base {path} {pickled}")
-    problem = hf_folder.weights_problem(path)
-    if problem:
-        raise config.UserError(
-            f"finetune_qlora: --base {path} {problem}; re-run the stage that wrote it or pass --base a "
-            f"complete model folder"
-        )
+    hf_folder.check(
+        path,
+        f"finetune_qlora: --base {path}",
+        "run the stage that writes it first (pretrain, or base for a hub model: params base.model), or pass "
+        "--base a Hugging Face model folder",
+        "re-run the stage that wrote it or pass --base a complete model folder",
+    )
     try:
         mc = AutoConfig.from_pretrained(cfg.base)
     except OSError as e:

@@ -33,6 +33,7 @@ Run:
 from __future__ import annotations
 
 import codecs
+import functools
 import hashlib
 import itertools
 import json
@@ -191,8 +192,10 @@ class Vocabulary:
     save: object  # save(folder): the tokenizer in Hugging Face format
 
 
+@functools.cache
 def given_vocabulary(folder: Path) -> Vocabulary:
-    """A model's own tokenizer (its fast, `tokenizers`-backed form), checked before any compute."""
+    """A model's own tokenizer (its fast, `tokenizers`-backed form), checked before any compute (loaded
+    once per process: the check's is the run's)."""
     from transformers import AutoTokenizer
 
     try:
@@ -517,7 +520,7 @@ def main(argv=None) -> dict:
     given = Path(args.tokenizer) if args.tokenizer else None
     check_input(inp, cfg, trains=given is None)
     if given:
-        given_vocabulary(given)  # (loads: one line on a folder without a usable tokenizer, before any compute)
+        given_vocabulary(given)  # (one line on a folder without a usable tokenizer, before any compute)
     measured = Path(args.measured)
     return stage.launch(STAGE, lambda rt, stop: run(cfg, inp, output, measured, rt, given))
 

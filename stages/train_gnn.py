@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stages.common import atomic, config, digest, runtime, sources, stage
+from stages.common import atomic, config, digest, runtime, sources, stage, timing
 from stages.common.tracking.tracker import Tracker
 from stages.models.gnn import build_model
 
@@ -248,6 +248,7 @@ def train_step(model, optimizer, x, edge_index, y, index) -> float:
 
 
 @torch.no_grad()
+@timing.phase("evaluation")
 def evaluate(model, x, edge_index, y, val_index, test_index) -> tuple[float, float, float]:
     """(val accuracy %, val loss, test accuracy %) from one forward pass in eval mode."""
     model.eval()

@@ -94,7 +94,7 @@ def test_a_hub_model_resolves_offline_to_its_commit_and_each_refusal_is_one_line
         "tiny-org/absent", commit
     )
     assert "is neither a folder here nor a hub id" in refused("no/such/folder", "")
-    assert "holds no config.json" in refused(str(tmp_path), "")
+    assert "has no config.json; give a Hugging Face model folder" in refused(str(tmp_path), "")
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common import atomic, faults, runtime
+from stages.common import atomic, faults, runtime, timing
 from stages.common.ckpt import (
     WRITER_FILE,
     checkpoint_reader,
@@ -136,6 +136,7 @@ class Checkpointer:
 
                 self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
+    @timing.phase("checkpoint")
     def resume(self, model, optimizer, scaler=None) -> TrainState:
         """Load the newest intact checkpoint into model, optimizer and scaler (rank 0 picks it, passing a
         damaged one over with a warning; every rank loads it), or a fresh state without one. Checkpoints
@@ -160,6 +161,7 @@ class Checkpointer:
         """Whether this rank's background write of the checkpoint in flight is still running."""
         return self.pending is not None and self.pending.write is not None and not self.pending.write.done()
 
+    @timing.phase("checkpoint")
     def step_done(
         self, state: TrainState, model, optimizer, scaler=None, stopped: bool = False, writing: bool = False
     ) -> Path | None:
@@ -173,6 +175,7 @@ class Checkpointer:
             return published
         return self.save(state, model, optimizer, scaler, wait=stopped)
 
+    @timing.phase("checkpoint")
     def save(self, state: TrainState, model, optimizer, scaler=None, wait: bool = True) -> Path:
         """Sharded model + optimizer state (every rank writes its shard), plus the train state, RNG state
         and fp16's gradient scaler (the same on every rank); published by renaming, so a crash mid-write
@@ -231,6 +234,7 @@ class Checkpointer:
             atomic.publish(final, tmp, self.rt, ok=False)
             raise error or RuntimeError(f"another rank failed while saving {final}; it was not written")
 
+    @timing.phase("checkpoint")
     def finish(self) -> Path | None:
         """Publish the checkpoint in flight (on every rank, at the same step): wait for this rank's write;
         extra.pt and the writer record (rank 0); every rank's shard on disk (barrier) before the manifest;

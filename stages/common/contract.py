@@ -30,6 +30,7 @@ STOPPED_FILE = "PIPELINE_STOPPED_FILE"  # the stage touches it when a signal sto
 LAST_LINE_FILE = "PIPELINE_ERROR_FILE"  # "<exit code>\t<line>" of the first process that refused or hung
 LAUNCH_HOST = "PIPELINE_LAUNCH_HOST"  # the host those files are on
 WORLD_SIZE = "PIPELINE_WORLD_SIZE"  # the processes the launcher started (nproc per node x nodes)
+TIME_FILE = "PIPELINE_TIME_FILE"  # + .rank<N>.json: a rank's times at a good end (stages.common.timing)
 # Read by the launcher or the stage, set by the user or the DAG tools.
 NPROC_PER_NODE = "PIPELINE_NPROC_PER_NODE"  # processes per node for every stage, over its resources
 PREFLIGHT_TIMEOUT = "PIPELINE_PREFLIGHT_TIMEOUT"  # seconds every process has to join one all-reduce
@@ -61,6 +62,11 @@ def launch_files(launcher_pid: int) -> tuple[Path, Path]:
     """(stopped mark, last-line file) of the launcher with this pid, on its host."""
     tmp = Path(tempfile.gettempdir())
     return tmp / f"pipeline-stopped-{launcher_pid}", tmp / f"pipeline-error-{launcher_pid}"
+
+
+def time_file(launcher_pid: int) -> Path:
+    """The stem of the files the ranks of this launcher's stage leave their times in (TIME_FILE)."""
+    return Path(tempfile.gettempdir()) / f"pipeline-times-{launcher_pid}"
 
 
 def leave_last_line(code: int, line: str) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from stages.common.config import UserError
+
 
 def weight_files(adapter: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(safetensors, pickled) names of a model folder's weights, or a PEFT adapter folder's: the single file,
@@ -55,3 +57,25 @@ def weights_problem(folder: str | Path, adapter: bool = False) -> str | None:
         if missing:
             return f"lacks {missing[0]} (listed in {found[0]})"
     return None
+
+
+def check(
+    folder: str | Path,
+    where: str,
+    missing: str,
+    incomplete: str = "the checkpoint is incomplete",
+    adapter: bool = False,
+) -> None:
+    """Refuse, in one line that starts with `where`, a folder no stage can load as a Hugging Face model (or
+    PEFT adapter): no config file (`missing`: the fix), weights pickled only, weights missing (`incomplete`:
+    the fix)."""
+    folder = Path(folder)
+    name = "adapter_config.json" if adapter else "config.json"
+    if not (folder / name).is_file():
+        raise UserError(f"{where} has no {name}; {missing}")
+    pickled = pickled_weights(folder, adapter)
+    if pickled:
+        raise UserError(f"{where} {pickled}")
+    problem = weights_problem(folder, adapter)
+    if problem:
+        raise UserError(f"{where} {problem}; {incomplete}")

@@ -53,13 +53,7 @@ def is_hub_id(name: str) -> bool:
 
 def check_folder(folder: Path, where: str) -> None:
     """A Hugging Face model folder a stage can load: config.json, safetensors weights, a tokenizer."""
-    if not (folder / "config.json").is_file():
-        raise UserError(
-            f"{where}: {folder} holds no config.json; give a Hugging Face model folder or a hub id (org/name)"
-        )
-    problem = hf_folder.pickled_weights(folder) or hf_folder.weights_problem(folder)
-    if problem:
-        raise UserError(f"{where}: {folder} {problem}")
+    hf_folder.check(folder, f"{where}: {folder}", "give a Hugging Face model folder or a hub id (org/name)")
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         raise UserError(f"{where}: {folder} has no tokenizer (tokenizer.json); save the model's tokenizer beside it")
 

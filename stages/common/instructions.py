@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stages.common import config
+from stages.common import config, timing
 from stages.common.losses import IGNORE_INDEX
 
 TEMPLATES = {  # the Stanford Alpaca prompts
@@ -120,6 +120,7 @@ class Records:
             out[sel] = perm[pos[sel] % n]
         return out
 
+    @timing.phase("data")
     def batch(self, step: int, index: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.rows(step, index, size)
         return self.inputs[rows], self.targets[rows]

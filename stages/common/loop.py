@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from stages.common import checkpointer, config, faults, parallel, pipeline, runtime, shards, watchdog
+from stages.common import checkpointer, config, faults, parallel, pipeline, runtime, shards, timing, watchdog
 from stages.common.losses import IGNORE_INDEX, global_target_count, lm_loss, vocab_parallel_loss
 from stages.common.mesh import Layout
 from stages.common.optim import clip_grad_norm, lr_at, make_grad_scaler, make_optimizer, optimizer_state_bytes
@@ -83,6 +83,7 @@ class Windows:
             raise ValueError(f"the split has {len(tokens)} tokens, fewer than one window of {context + 1}")
         self.tokens, self.context, self.seed = tokens, context, seed
 
+    @timing.phase("data")
     def batch(self, step: int, index: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Windows [index, index + size) of the step's global batch: inputs and targets, (B, T) each."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
@@ -98,6 +99,7 @@ def autocast(cfg: TrainConfig, rt: runtime.Runtime):
     return torch.autocast(rt.device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
+@timing.phase("evaluation")
 @torch.no_grad()
 def evaluate(
     model, windows, cfg: TrainConfig, rt: runtime.Runtime, pipe: pipeline.Pipeline | None = None,

@@ -56,6 +56,11 @@ class Runtime:
 COLLECTIVE_TIMEOUT_S = 1800  # the process group's timeout when a stage sets none (train.collective_timeout_s)
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
+
+
 def init(timeout_s: float = COLLECTIVE_TIMEOUT_S, cpu_collectives: bool = False) -> Runtime:
     """Join the process group when launched by torchrun; pick the device; share the cores. With
     `cpu_collectives` on GPUs, collectives on CPU tensors get gloo beside nccl (FSDP2's CPU offload
@@ -73,12 +78,22 @@ def init(timeout_s: float = COLLECTIVE_TIMEOUT_S, cpu_collectives: bool = False)
         device = torch.device("cpu")
         # Processes on one node share its cores; oversubscription slows every rank down.
         if "OMP_NUM_THREADS" not in os.environ or local_world_size > 1:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-            torch.set_num_threads(max(1, (cores or 1) // local_world_size))
+            torch.set_num_threads(max(1, cores() // local_world_size))
     if world_size > 1 and not dist.is_initialized():
         backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return Runtime(rank, world_size, local_rank, local_world_size, device)
+
+
+def share_cores(rt: Runtime, busy: int) -> None:
+    """On CPUs, when only ranks 0..busy-1 have work (fewer items than processes), the node's cores go to
+    its busy ranks: the others only wait."""
+    if rt.device.type != "cpu" or busy >= rt.world_size:
+        return
+    first = rt.rank - rt.local_rank  # this node's first rank
+    busy_here = max(0, min(busy, first + rt.local_world_size) - first)
+    if rt.rank < busy and busy_here:
+        torch.set_num_threads(max(1, cores() // busy_here))
 
 
 def preflight(rt: Runtime, timeout_s: float | None = None) -> None:

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stages.common import atomic, ckpt, config, contract, digest, environment, provenance, registry, runtime
+from stages.common import atomic, ckpt, config, contract, digest, environment, provenance, registry, runtime, timing
 from stages.common.tracking import runs
 from stages.common.tracking.sender import flush_s
 
@@ -135,10 +135,12 @@ def launch(section: str, body, train: TrainConfig | None = None):
                 f"({section}.train.hang_timeout_s)",
                 rt=rt,
             )
+        timing.body_started()
         return body(rt, stop)
     except Stopped:
         stopped = True
     finally:
+        timing.body_ended()
         runtime.teardown()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -147,6 +149,7 @@ def launch(section: str, body, train: TrainConfig | None = None):
         raise SystemExit(contract.STOPPED_EXIT)  # preempted: a checkpoint holds the progress; re-running resumes
 
 
+@timing.phase("tracking")
 def inputs_hash(paths, rt: runtime.Runtime) -> str:
     """The content hash of a stage's inputs, computed by rank 0 and shared with every rank."""
     return runtime.broadcast_object(digest.hash_files(paths) if rt.is_main else None)
@@ -175,8 +178,8 @@ def tracked(section: str, cfg, inputs, rt: runtime.Runtime, tags: dict | None = 
     the first process of each node its system metrics (runs.node_metrics). Yields (tracker, inputs hash)."""
     digest = inputs if isinstance(inputs, str) else inputs_hash(inputs, rt)
     tags = {**record_tags(section), **(tags or {})}
-    with runs.start_run(section, config.as_dict(cfg), digest, rt, tags=tags) as tracker:
-        with runs.node_metrics(tracker, rt):
+    with timing.entered_in("tracking", runs.start_run(section, config.as_dict(cfg), digest, rt, tags=tags)) as tracker:
+        with timing.entered_in("tracking", runs.node_metrics(tracker, rt)):
             yield tracker, digest
 
 
@@ -287,6 +290,7 @@ def read_figures(folder: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+@timing.phase("outputs")
 def publish(output: str | Path, rt: runtime.Runtime, write):
     """Write the stage's output folder atomically: rank 0 calls `write(tmp)` into a temporary folder
     beside `output`, which replaces `output` once every rank got there. Returns what `write` returned,
@@ -298,6 +302,7 @@ def publish(output: str | Path, rt: runtime.Runtime, write):
     return runtime.broadcast_object(result)
 
 
+@timing.phase("tracking")
 def register_models(
     tracker, section: str, cfg, models: dict, output, inputs: list, digest: str, across_code: str | None = None
 ) -> None:
@@ -362,6 +367,8 @@ def exit_now(code: int) -> None:
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
+    if code == 0:
+        timing.write_record()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

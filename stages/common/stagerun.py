@@ -21,7 +21,7 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.common import ckpt, config, runtime, stage
+from stages.common import ckpt, config, runtime, stage, timing
 from stages.common.train_config import TrainConfig
 
 
@@ -77,6 +77,7 @@ class StageRun:
             finally:
                 self.folder = None
 
+    @timing.phase("outputs")
     def publish(self, output: str | Path, write):
         """stage.publish: rank 0 writes the output folder through `write(tmp)`, renamed into place."""
         return stage.publish(output, self.rt, write)

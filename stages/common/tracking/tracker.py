@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from stages.common import timing
 from stages.common.tracking.sender import Sender, flush_s
 
 
@@ -138,6 +139,7 @@ class RunTracker(_EndClock):
     def register(self, record: dict) -> None:
         self._sender.put({"kind": "register", **record})
 
+    @timing.phase("tracking")
     def flush(self, timeout_s: float) -> bool:
         """Also one of the stage's end's waits (end_left)."""
         sender = self._sender
@@ -152,6 +154,7 @@ class RunTracker(_EndClock):
         self.set_tags({"failure": "hang", "failure_cause": cause[:5000]})
         self.end("FAILED")
 
+    @timing.phase("tracking")
     def end(self, status: str) -> bool:
         """The records that do not reach the server within what is left of the stage's end (end_left) stay
         in the journal, for a later send."""
