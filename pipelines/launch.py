@@ -18,9 +18,12 @@ Inside a SLURM allocation of several nodes (a stage with `nodes: N > 1`, submitt
 it starts one `torchrun` per node with `srun`, all meeting at a c10d rendezvous on the allocation's
 first node (port 29400 + job id mod 1000, id = the job id):
 
-    srun --overlap --nodes=N --ntasks-per-node=1 python -m torch.distributed.run --nnodes=N \
+    srun --overlap --nodes=N --ntasks-per-node=1 --cpus-per-task=C python -m torch.distributed.run --nnodes=N \
          --nproc-per-node=P --rdzv-backend=c10d --rdzv-endpoint=<first node>:<port> --rdzv-id=<job id> \
          --rdzv-conf=join_timeout=300 -m stages.<stage> ...
+
+C: the allocation's SLURM_CPUS_PER_TASK (every core the stage asked for per node), when set: srun does not
+take it from the environment (SLURM 22.05 and later), and under task/cgroup a task without it gets one core.
 
 Preflight, before srun starts anything: an allocation with fewer nodes than the stage asks for, and a
 first node whose name resolves only to a loopback address (or to nothing) are refused, naming the fix
@@ -287,6 +290,7 @@ def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
         # A node that never joins fails the rendezvous after this many seconds instead of torchrun's 600.
         join = int(env.get(contract.RDZV_TIMEOUT, "300"))
         # --overlap: the step Snakemake runs this launcher in already holds a task of the allocation.
+        cpus = env.get("SLURM_CPUS_PER_TASK")
         return [
             "srun",
             "--overlap",
@@ -295,6 +299,7 @@ def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
             "--ntasks-per-node=1",
             f"--nodelist={','.join(hosts[:nodes])}",
             "--kill-on-bad-exit=1",
+            *([f"--cpus-per-task={cpus}"] if cpus else []),
             *torchrun,
             f"--nnodes={nodes}",
             f"--nproc-per-node={nproc}",

@@ -286,8 +286,8 @@ def check(s: StageSpec, result: dict, machine: Machine, host_limit: float) -> st
         phase = b.peak_phase
         if phase == "merge":
             key = (
-                "the merge (stages/finetune_qlora.py save_adapter_and_merged) dequantizes the whole base to fp32 on "
-                "one GPU: no params key lowers it; plan on a larger GPU"
+                "the merge (stages/common/lora_merge.py) holds the whole model as it trained, plus one weight in fp32, "
+                "on rank 0's GPU: no params key lowers it; plan on a larger GPU"
             )
         else:
             key = f"change {biggest_key(s, b)}"

@@ -166,23 +166,48 @@ def per_rank(spec, params, trace, layout: Layout, baseline: int, runtime: int) -
 
 def publish(spec, params, b: Budget, layout: Layout, baseline: int) -> None:
     """Rank 0's phase after training: pretrain/extend_context gather the whole fp32 model to the host and build
-    a fresh one to save; finetune_qlora's merge (save_adapter_and_merged) reloads the base on rank 0's device,
-    dequantizes it all to fp32, merges the adapters and moves the merged model to the host."""
+    a fresh one to save; finetune_qlora's merge (stages/common/lora_merge.py) makes and writes the merged model
+    one weight at a time from the trained model (one process) or the base reloaded as it trained (rank 0)."""
     full = sum(p.numel for p in params)
-    base = sum(p.numel for p in params if not p.trainable)
-    adapters = full - base
     held = b.parts.get("params", 0) + b.parts.get("ddp buckets", 0)  # the trained model still lives during publish
     if spec.section == "finetune_qlora":
-        packed = sum(nf4_bytes(p.numel, spec.double_quant) for p in params if p.quantized)
-        device = 4 * base + 4 * adapters + packed  # (base dequantized beside its packed weights, adapters merged)
-        b.phases["merge"] = int(device + (baseline if not spec.gpu else 0))
-        b.host["merge"] = int(4 * base + baseline * layout.processes / layout.nodes) if spec.gpu else 0
+        b.phases["merge"] = int(merge_on_device(spec, params, b, baseline))
+        if spec.gpu:
+            b.host["merge"] = int(merge_on_host(spec, params) + baseline * layout.processes / layout.nodes)
     elif spec.section in ("pretrain", "extend_context"):
         on_host = 2 * 4 * full  # the gathered state dict and the model built to save it
         if spec.gpu:
             b.host["publish"] = int(on_host + baseline * layout.processes / layout.nodes)
         else:
             b.phases["publish"] = int(held + on_host + baseline)
+
+
+def merge_on_device(spec, params, b: Budget, baseline: int) -> float:
+    """The merge's peak on rank 0's device: the whole model as it trained (one process: the trained model
+    itself; several: rank 0 loads the base again and gives it the adapters) and one merged weight in the
+    making: the largest decoder-layer weight in fp32, B A and its scaled delta (every other tensor goes to
+    the host as it is)."""
+    w = DTYPE_BYTES[spec.weight_dtype]
+    loaded = sum(weight_bytes(p, w, spec.double_quant) for p in params if not p.trainable)
+    loaded += sum(p.numel for p in params if p.trainable) * w
+    weight = max((p.numel for p in params if merged_in_fp32(p)), default=0)
+    runtime = b.parts.get("runtime reserve", 0) if spec.gpu else baseline
+    return loaded + 3 * 4 * weight + runtime
+
+
+def merge_on_host(spec, params) -> float:
+    """The merge's host memory besides the processes (on GPUs): the gathered adapter state, and the largest
+    tensor on its way to the file (a merged or dequantized weight in fp32; any other in its load dtype, and
+    cast to fp32 there too for the unquantized base)."""
+    w = DTYPE_BYTES[spec.weight_dtype]
+    adapters = sum(p.numel for p in params if p.trainable) * w
+    cast = 0 if spec.quantized or w == 4 else 4
+    return adapters + max(p.numel * (4 if merged_in_fp32(p) else w + cast) for p in params if not p.trainable)
+
+
+def merged_in_fp32(p) -> bool:
+    """A frozen weight the merge dequantizes or merges adapters into: the decoder layers' linear weights."""
+    return not p.trainable and (p.quantized or (p.layer is not None and len(p.shape) == 2))
 
 
 def host_memory(spec, b: Budget, layout: Layout) -> None:

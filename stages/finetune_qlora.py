@@ -27,7 +27,8 @@ Run:
 
 Output (data/finetune_qlora/<quantization>/):
     adapter/       the LoRA adapter in PEFT format: PeftModel.from_pretrained(base, "adapter")
-    model/         the merged model in full precision (base dequantized + adapter) with the tokenizer:
+    model/         the merged model in full precision (base dequantized + adapter, made and written one weight
+                   at a time; shards of at most 5 GB above that) with the tokenizer:
                    AutoModelForCausalLM.from_pretrained("model")
     figures.json   eval/train loss, linear-layer weight memory, trainable parameters, records
     metrics.json   eval loss, bits per linear-layer weight (DVC metrics)
@@ -49,7 +50,18 @@ from pathlib import Path
 
 import torch
 
-from stages.common import atomic, config, hf_folder, instructions, loop, registry, runtime, stage, train_config
+from stages.common import (
+    atomic,
+    config,
+    hf_folder,
+    instructions,
+    loop,
+    lora_merge,
+    registry,
+    runtime,
+    stage,
+    train_config,
+)
 from stages.common.stagerun import StageRun
 from stages.models import llama
 
@@ -269,28 +281,30 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- outputs
-def save_adapter_and_merged(tmp: Path, adapter_sd: dict, cfg: Config, tok, device: torch.device) -> None:
-    """adapter/ in PEFT format, then model/: the base dequantized to fp32 with the adapter merged in."""
-    from peft import PeftModel
-
-    quantized = cfg.quantization == "nf4"
-    model = add_adapters(load_base(cfg, device, quantized), cfg)
+def with_adapter(cfg: Config, device: torch.device, adapter_sd: dict):
+    """The base loaded as it trained, with the trained adapter's state."""
+    model = add_adapters(load_base(cfg, device, cfg.quantization == "nf4"), cfg)
     missing, unexpected = model.load_state_dict(adapter_sd, strict=False)
     lora_missing = [k for k in missing if "lora_" in k]
     if unexpected or lora_missing or not adapter_sd:
         raise RuntimeError(
             f"adapter state does not fit the model: unexpected {unexpected[:3]}, missing {lora_missing[:3]}"
         )
+    return model
+
+
+def save_adapter_and_merged(tmp: Path, adapter_sd: dict, cfg: Config, tok, device: torch.device, trained=None) -> None:
+    """adapter/ in PEFT format, then model/: the base dequantized to fp32 with the adapter merged in, made
+    and written one weight at a time (stages.common.lora_merge), so the device holds the base as it trained
+    plus one merged weight, not the whole model in fp32. `trained`: the trained model where this process
+    holds it whole (one process), merged as it is; else the base is loaded again and given the adapter."""
+    quantized = cfg.quantization == "nf4"
+    model = trained if trained is not None else with_adapter(cfg, device, adapter_sd)
     lora = model.peft_config["default"]
     lora.target_modules = sorted(lora.target_modules)  # a set after all-linear: saved sorted, the file is reproducible
     model.save_pretrained(tmp / "adapter")
-    del model
-    gc.collect()
-    base = load_base(cfg, device, quantized)
     # Dequantized weights are exactly what the trained model computed with (not the original fp weights).
-    base = base.dequantize(dtype=torch.float32) if quantized else base.float()
-    merged = PeftModel.from_pretrained(base, tmp / "adapter").merge_and_unload()
-    merged.to("cpu").save_pretrained(tmp / "model")
+    lora_merge.save_merged(model, tmp / "model", upcast=not quantized)
     tok.save_pretrained(tmp / "model")
 
 
@@ -410,7 +424,7 @@ def run(
         }
 
         def write(tmp: Path) -> None:
-            save_adapter_and_merged(tmp, adapter_sd, cfg, tok, rt.device)
+            save_adapter_and_merged(tmp, adapter_sd, cfg, tok, rt.device, trained)
             headline = ("eval_loss", "linear_weight_bits_per_weight")
             stage.write_metrics(tmp, metrics, {k: metrics[k] for k in headline})
             atomic.write_json(tmp / "results.json", result_rows(cfg, metrics))

@@ -129,7 +129,7 @@ HOW: dict[str, tuple[str, str]] = {
     ),
     "python -m pipelines.plan --gpus 1 --gpu-mem 24 --stage finetune_qlora@nf4 finetune_qlora.train.micro_batch_size=1": (  # noqa: E501
         "marked",
-        "tests/test_plan.py: a 24 GB GPU trains the 8B QLoRA but cannot merge it",
+        "tests/test_plan.py: a 24 GB GPU trains and merges the 8B QLoRA",
     ),
     "python -m pipelines.dag write": ("run", "with the clone's params: writes dvc.yaml as it is"),
     "snakemake -n data/finetune_qlora/nf4": ("run", "a dry run (tests/test_base.py plans and runs a hub base)"),

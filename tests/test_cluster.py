@@ -162,6 +162,10 @@ def test_multi_node_stage_starts_one_torchrun_per_node_with_c10d_on_the_first(mo
     assert "--rdzv-endpoint=gpu17:29642" in cmd and "--rdzv-id=4242" in cmd
     assert "--rdzv-conf=join_timeout=300" in cmd  # a node that never comes fails the start in 5 minutes
     assert cmd[-4:] == ["-m", "stages.pretrain", "--input", "data/tokenize"]
+    assert not any(a.startswith("--cpus-per-task") for a in cmd)  # none asked for: SLURM's default
+    # every core the job asked for per node goes to its torchrun (under task/cgroup a task gets one otherwise)
+    cmd = launch.command("pretrain", ["--input", "data/tokenize"], {**env, "SLURM_CPUS_PER_TASK": "64"})
+    assert cmd[7:11] == ["--cpus-per-task=64", sys.executable, "-m", "torch.distributed.run"]
 
     with pytest.raises(SystemExit, match="SLURM allocation"):
         launch.command("pretrain", [], {})
