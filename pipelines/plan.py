@@ -129,10 +129,11 @@ def specs(params: dict, stage: str | None, machine: Machine, layout_of) -> list[
     """The training stages of `params` (one, with `stage`: a name or name@item)."""
     vocab = params["tokenize"]["vocab_size"]
     pretrained = llama_keys(params["pretrain"]["model"], vocab)
+    base = base_of(params, pretrained)
     out = []
     for section in TRAINING:
         sec = params.get(section)
-        if not sec:
+        if not sec or (section == "pretrain" and isinstance(base, str)):  # (a base model: no pretrain in the DAG)
             continue
         items = {"finetune_qlora": ("nf4", "none"), "memory_study": tuple(sec.get("techniques", {}))}.get(
             section, (None,)
@@ -141,7 +142,7 @@ def specs(params: dict, stage: str | None, machine: Machine, layout_of) -> list[
             name = f"{section}@{item}" if item else section
             if stage and stage not in (name, section):
                 continue
-            out.append(spec_of(section, item, sec, base_of(params, pretrained), machine, layout_of))
+            out.append(spec_of(section, item, sec, base, machine, layout_of))
     if stage and not out:
         raise config.ConfigError(f"plan: no training stage {stage!r}; stages: {', '.join(TRAINING)} (name@item)")
     return out
@@ -165,8 +166,11 @@ def spec_of(section: str, item, sec: dict, pretrained: dict | str, machine: Mach
     s = StageSpec(name, section, pretrained, train, 0, gpu, "fp32", compute, 4)
     if section == "pretrain":
         s.seq = sec["context_length"]
-    elif section == "memory_study":
-        s.source = llama_keys(sec["model"], pretrained["vocab_size"])
+    elif section == "memory_study":  # (its own model, on the shards of the base's vocabulary)
+        from pipelines import plan_trace
+
+        vocab = pretrained["vocab_size"] if isinstance(pretrained, dict) else None
+        s.source = llama_keys(sec["model"], vocab or plan_trace.model_config(pretrained)[0].vocab_size)
         s.seq = max(sec["contexts"])
     elif section == "extend_context":
         from pipelines import plan_trace

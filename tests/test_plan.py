@@ -58,6 +58,14 @@ def test_llama3_8b_qlora_fits_8_gpus_of_80_gb_with_the_host_memory_its_header_na
     assert 8.0e9 < base < 8.1e9  # Llama-3-8B's 8.03B
 
 
+def test_a_hub_base_plans_every_training_stage_of_its_dag_and_no_pretrain():
+    """With base.model set, pretrain is not in the DAG and memory_study's model reads the base's vocabulary."""
+    rows = planned("llama3-8b-qlora", plan.Machine(gpus=1, gpu_mem=80, host_mem=48, process_mb=PROCESS_MB))
+    assert "pretrain" not in rows and {"extend_context", "finetune_qlora@nf4", "memory_study@baseline"} <= set(rows)
+    study = rows["memory_study@baseline"]["spec"].source
+    assert study["vocab_size"] == plan_trace.model_config("meta-llama/Meta-Llama-3-8B")[0].vocab_size == 128256
+
+
 def test_a_node_whose_host_memory_cannot_hold_the_8b_merge_is_refused_naming_the_request():
     machine = plan.Machine(gpus=1, gpu_mem=24, process_mb=PROCESS_MB)
     assert planned("llama3-8b-qlora", machine, "finetune_qlora@nf4")["finetune_qlora@nf4"]["refused"] is None
