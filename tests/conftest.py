@@ -25,7 +25,8 @@ os.environ["DVC_NO_ANALYTICS"] = "1"
 # finish together. A worker is handed its next module while it still runs its last queued test (xdist keeps
 # two tests queued). tests/test_e2e.py comes first: it makes the shared ci run (tests/shared_run.py, about
 # 5 minutes) that the e2e records, experiments and README commands read; the long training modules come
-# next, so the other workers train meanwhile instead of waiting on that run.
+# next, so the other workers train meanwhile instead of waiting on that run. The README commands (minutes)
+# come among the long modules: handed out last, the other workers would be done long before them.
 ORDER = [
     "tests/system/test_two_nodes.py",
     "tests/system/test_containers.py",  # (make test-system: the image build beside the two-node module)
@@ -37,6 +38,7 @@ ORDER = [
     "tests/test_e2e_reproduce.py",
     "tests/test_e2e_experiments.py",
     "tests/test_e2e_remote.py",
+    "tests/test_readme_commands.py",
     "tests/system/test_browser.py",
     "tests/test_extend_context.py",
     "tests/test_finetune_qlora.py",
@@ -44,15 +46,14 @@ ORDER = [
     "tests/test_node_loss.py",
     "tests/test_bench.py",
 ]
-LAST = ["tests/test_readme_commands.py"]
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """Modules in ORDER, then the others, then LAST. make test runs the tests in pytest-xdist workers with
+    """Modules in ORDER, then the others. make test runs the tests in pytest-xdist workers with
     `--dist loadfile` (a module's tests in one worker, so its module fixtures are made once) and
     `--no-loadscope-reorder` (modules handed out in this order)."""
-    rank = {name: i for i, name in enumerate(ORDER)} | {name: len(ORDER) + 1 + i for i, name in enumerate(LAST)}
+    rank = {name: i for i, name in enumerate(ORDER)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(ORDER)))
 
 

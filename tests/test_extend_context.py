@@ -175,6 +175,15 @@ def stage_args(tokenized, base, out):
     ]
 
 
+def run_here(args: list[str], cwd) -> None:
+    """The stage with one process, as run_stage runs it (in `cwd`, untracked), in this process: no second
+    interpreter importing torch."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        mp.setenv("PIPELINE_TRACKING", "off")
+        extend_context.main(args)
+
+
 def test_two_processes_write_every_variant_and_resume_exactly(tokenized, base_model, tmp_path):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -266,7 +275,10 @@ def test_tensor_pipeline_and_2d_parallel_fine_tunes_equal_one_process(tokenized,
     curves = {}
     for out, (nproc, extra) in layouts.items():
         args = [*stage_args(tokenized, base_model, tmp_path / out), *common, *extra]
-        run_stage("extend_context", args, tmp_path, nproc)
+        if nproc == 1:
+            run_here(args, tmp_path)
+        else:
+            run_stage("extend_context", args, tmp_path, nproc)
         curves[out] = np.loadtxt(tmp_path / out / "plots/finetune_loss/yarn-ft.csv", delimiter=",", skiprows=1)[:, 1]
     assert len(curves["one"]) == 10
     for out in ("tp2", "pp2", "fsdp2-tp2"):
@@ -276,7 +288,7 @@ def test_tensor_pipeline_and_2d_parallel_fine_tunes_equal_one_process(tokenized,
 def test_eval_reads_a_folder_of_variants(tokenized, base_model, tmp_path, monkeypatch):
     from stages import eval_perplexity
 
-    run_stage("extend_context", [*stage_args(tokenized, base_model, tmp_path / "ec"), "finetune=[]"], cwd=tmp_path)
+    run_here([*stage_args(tokenized, base_model, tmp_path / "ec"), "finetune=[]"], tmp_path)
     monkeypatch.chdir(tmp_path)
     shutil.copy(tokenized / "params.yaml", tmp_path / "params.yaml")
     metrics = eval_perplexity.main(

@@ -50,17 +50,35 @@ def logits(model_dir, ids):
         return model(input_ids=ids).logits
 
 
-def test_ddp_fsdp_and_one_process_train_the_same_model(tokenized, monkeypatch):
+def trained_here(tokenized, args: list[str]) -> dict:
+    """pretrain.main(args) in this process, in the tokenized folder (what it returns)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tokenized)
+        return pretrain.main(["--input", "data/tokenize", *args])
+
+
+@pytest.fixture(scope="module")
+def one_process(tokenized) -> dict:
+    """TINY trained by one process, in tokenized/one: the model the other layouts and the resumed runs
+    must train."""
+    return trained_here(tokenized, ["--output", "one", *TINY])
+
+
+@pytest.fixture(scope="module")
+def three_steps(tokenized) -> dict:
+    """3 steps of TINY in fp32, eager, in tokenized/fp32: what the compiled and the autocast runs train near."""
+    return trained_here(tokenized, ["--output", "fp32", *TINY, "train.steps=3", "train.eval_every=3"])
+
+
+def test_ddp_fsdp_and_one_process_train_the_same_model(tokenized, one_process):
     """The same params (a global batch of 8, micro-batches of at most 2) train the same model on 1, 2, 4
     and 8 processes: 4 micro-batches of 2 accumulated on one, 2 on each of 2, 1 on each of 4, 1 of 1 on
     each of 8."""
-    monkeypatch.chdir(tokenized)
-    single = pretrain.main(["--input", "data/tokenize", "--output", "one", *TINY])
     run(tokenized, "ddp", 2, "train.strategy=ddp")
     run(tokenized, "fsdp", 2, "train.strategy=fsdp")
     run(tokenized, "ddp4", 4, "train.strategy=ddp")
     run(tokenized, "fsdp8", 8, "train.strategy=fsdp")
-    ref = np.array(single["history"]["loss"])
+    ref = np.array(one_process["history"]["loss"])
     assert ref[-1] < ref[0] - 0.1, f"loss decreases: {ref}"
     np.testing.assert_allclose(ref[: len(RECORDED_LOSSES)], RECORDED_LOSSES, rtol=1e-5)
     for out in ("ddp", "fsdp", "ddp4", "fsdp8"):
@@ -70,7 +88,7 @@ def test_ddp_fsdp_and_one_process_train_the_same_model(tokenized, monkeypatch):
         np.fromfile(tokenized / "data/tokenize/val_0000.bin", dtype=np.uint16)[:64].astype(np.int64)
     )[None]
     with torch.no_grad():
-        trained = single["model"].eval()(input_ids=ids).logits
+        trained = one_process["model"].eval()(input_ids=ids).logits
     torch.testing.assert_close(logits(tokenized / "one/model", ids), trained, rtol=0, atol=0)
     for out in ("ddp", "fsdp"):
         torch.testing.assert_close(logits(tokenized / f"{out}/model", ids), trained, rtol=1e-4, atol=1e-5)
@@ -390,10 +408,10 @@ def test_8bit_optimizers_train_close_to_adamw_with_a_quarter_of_its_state(tokeni
         np.testing.assert_allclose(out["history"]["loss"][-1], base["history"]["loss"][-1], rtol=0.02)
 
 
-def test_compiled_model_and_loss_train_like_eager(tokenized, monkeypatch):
+def test_compiled_model_and_loss_train_like_eager(tokenized, monkeypatch, three_steps):
     monkeypatch.chdir(tokenized)
     args = ["--input", "data/tokenize", *TINY, "train.steps=3", "train.eval_every=3"]
-    eager = pretrain.main([*args, "--output", "eager"])["history"]
+    eager = three_steps["history"]
     compiled = pretrain.main([*args, "--output", "compiled", "train.compile=true"])["history"]
     # Fused kernels sum in another order: equal to float32 rounding, not bitwise.
     np.testing.assert_allclose(compiled["loss"], eager["loss"], rtol=1e-4)
@@ -401,20 +419,20 @@ def test_compiled_model_and_loss_train_like_eager(tokenized, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     # The saved weights carry no compile-wrapper prefixes: every one loads, and they are the trained ones.
-    want = AutoModelForCausalLM.from_pretrained(tokenized / "eager/model").state_dict()
+    want = AutoModelForCausalLM.from_pretrained(tokenized / "fp32/model").state_dict()
     got = AutoModelForCausalLM.from_pretrained(tokenized / "compiled/model").state_dict()
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-4)
 
 
-def test_bf16_and_fp16_precisions_train_under_autocast_with_fp32_weights(tokenized, monkeypatch):
+def test_bf16_and_fp16_precisions_train_under_autocast_with_fp32_weights(tokenized, monkeypatch, three_steps):
     """precision: bf16 or fp16 (with a gradient scaler) on a CPU: autocast in that dtype, fp32 master
     weights; the losses stay near fp32's, and meta.json records the dtype and the CPU the kernels ran on
     (they decide the last digits)."""
     monkeypatch.chdir(tokenized)
     args = ["--input", "data/tokenize", *TINY, "train.steps=3", "train.eval_every=3"]
-    fp32 = pretrain.main([*args, "--output", "fp32"])
+    fp32 = three_steps
     for precision in ("bf16", "fp16"):
         low = pretrain.main([*args, "--output", precision, f"train.precision={precision}"])
         assert low["history"]["loss"] != fp32["history"]["loss"], f"{precision} autocast rounds differently"
@@ -429,15 +447,14 @@ def test_bf16_and_fp16_precisions_train_under_autocast_with_fp32_weights(tokeniz
         assert meta["cpu"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
-def test_damaged_or_tampered_checkpoints_are_passed_over(tokenized, tmp_path, monkeypatch):
+def test_damaged_or_tampered_checkpoints_are_passed_over(tokenized, tmp_path, one_process):
     """A checkpoint whose extra.pt or one of whose DCP items would run code, or whose shard is truncated,
     is never loaded: the re-run warns naming it and resumes from the newest intact one (or starts afresh),
     and trains the uninterrupted model."""
     ckpt_root = tmp_path / "ckpts"
     env = {"PIPELINE_CHECKPOINTS": str(ckpt_root)}
     args = ("train.checkpoint_every=2",)
-    monkeypatch.chdir(tokenized)
-    whole = pretrain.main(["--input", "data/tokenize", "--output", str(tmp_path / "whole"), *TINY])["history"]["loss"]
+    whole = one_process["history"]["loss"]
     assert run(tokenized, tmp_path / "out", 1, *args, check=False, PIPELINE_FAULT_IN_CHECKPOINT="6", **env).returncode
     (folder,) = (p for p in ckpt_root.glob("pretrain/*") if p.is_dir())
     assert sorted(p.name for p in folder.glob("step-*")) == ["step-2", "step-4"]
@@ -467,7 +484,7 @@ def test_damaged_or_tampered_checkpoints_are_passed_over(tokenized, tmp_path, mo
     np.testing.assert_allclose(loss_curve(tmp_path, "out"), whole, rtol=0, atol=5e-7)  # loss.csv keeps 6 decimals
     from safetensors.torch import load_file
 
-    a, b = load_file(tmp_path / "whole/model/model.safetensors"), load_file(tmp_path / "out/model/model.safetensors")
+    a, b = load_file(tokenized / "one/model/model.safetensors"), load_file(tmp_path / "out/model/model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the resumed run trains the same model"
 
 

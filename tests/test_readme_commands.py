@@ -39,6 +39,10 @@ def test_readme_commands_run_as_written(tmp_path, mirror, monkeypatch):
     """In a copy of the shared ci run: the README's commands marked `run` run as written; its stage commands
     pass `--check` (their command line and params overrides, no compute); see tests/readme_commands.py."""
     clone = copy_of_run(tmp_path / "clone")
+    # After `make run` a checkout holds .venv, made by make's first target: its stamp, so that the README's
+    # make targets run their recipes in this environment (first on PATH) instead of installing a new one.
+    (clone / ".venv").mkdir()
+    (clone / ".venv/.installed").touch()
     monkeypatch.chdir(clone)  # (the stage commands' checks run in this process)
     monkeypatch.setenv("PIPELINE_DATA_MIRROR", str(MIRROR))
     # a text longer than the longest context evaluated
