@@ -10,10 +10,11 @@ For each training stage (pretrain, extend_context, finetune_qlora@nf4, finetune_
 the stage's own model is built on the meta device (pipelines.plan_trace: params, a local Hugging Face
 folder, the local hub cache, or a known published shape; nothing is downloaded), and one optimizer step
 of its micro-batches is traced on fake tensors, so the activations are those of the real code
-(scaled-dot-product attention, autocast, activation checkpointing, the fp32 loss). The parts per rank
-(pipelines.plan_budget: parameters, gradients, optimizer states, NF4 weights, adapters, activations at the
-peak, DDP buckets, FSDP's gathered layers) follow the train section's strategy and precision, and the peak
-is taken per phase: training, and rank 0's publish (pretrain, extend_context) or merge (finetune_qlora).
+(scaled-dot-product attention, autocast, activation checkpointing where the stage's modules train in
+training mode, the adapters' dropout, the fp32 loss). The parts per rank (pipelines.plan_budget:
+parameters, gradients, optimizer states, NF4 weights, adapters, activations at the peak, DDP buckets,
+FSDP's gathered layers) follow the train section's strategy and precision, and the peak is taken per phase:
+training, and rank 0's publish (pretrain, extend_context) or merge (finetune_qlora).
 
 Processes: GPU stages take one per GPU, up to their `gpus_per_node` (pipelines/stages.yaml), as the
 launcher starts them; on CPUs (`--gpus 0`) their `nproc_per_node`, or --procs. On CPUs every process also
@@ -98,6 +99,9 @@ class StageSpec:
     runs: int = 1
     """Trainings one after another (extend_context's fine-tunes)."""
     models_out: int = 1
+    loaded: bool = False
+    """The stage loads its model with from_pretrained (in eval mode: no activation checkpointing until the
+    first evaluation; pipelines.plan_trace.build)."""
     notes: list = field(default_factory=list)
 
 
@@ -163,6 +167,7 @@ def spec_of(section: str, item, sec: dict, pretrained: dict | str, machine: Mach
     compute = "bf16" if precision == "bf16" or (precision == "auto" and gpu) else precision
     compute = "fp32" if compute == "auto" else compute
     s = StageSpec(name, section, pretrained, train, 0, gpu, "fp32", compute, 4)
+    s.loaded = section in ("extend_context", "finetune_qlora")
     if section == "pretrain":
         s.seq = sec["context_length"]
     elif section == "memory_study":
@@ -236,7 +241,7 @@ def plan_stage(s: StageSpec, machine: Machine, layout: Layout, baselines: dict) 
     mc, origin = plan_trace.model_config(s.source)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     trace_dtype = {4: torch.float32, 2: dtypes[s.compute_dtype if s.compute_dtype != "fp32" else "bf16"]}
-    model_kwargs = {"lora": s.lora, "frozen": s.lora is not None, "quantized": s.quantized}
+    model_kwargs = {"lora": s.lora, "frozen": s.lora is not None, "quantized": s.quantized, "loaded": s.loaded}
     full = plan_trace.build(mc, trace_dtype[s.trace_weight_bytes], **model_kwargs)
     params = plan_trace.params(full, s.quantized)
     trace = traced(plan_trace, mc, s, layout, trace_dtype[s.trace_weight_bytes], model_kwargs, dtypes)

@@ -8,12 +8,12 @@ those has it, the published shape (`KNOWN`): nothing is downloaded.
 
 `trace` then runs the stage's micro-batches of one optimizer step (forward, fp32 cross-entropy as
 stages.common.losses computes it, backward; autocast and activation checkpointing as the train section
-sets them) under torch's FakeTensorMode, where every tensor has a shape, a dtype and a device but no
-data, and counts the bytes of every storage the step creates while it lives (a dispatch mode: each op's
-outputs, freed when their storage is; the gradients apart, so that sharding can divide them). What it
-records is, after each op, (bytes of activations and temporaries, bytes of gradients): the timeline the
-planner's peak is taken from. Parameters and optimizer states are counted from the shapes
-(pipelines.plan_budget).
+sets them, the modules in the training modes the stage's are in: `build`) under torch's FakeTensorMode,
+where every tensor has a shape, a dtype and a device but no data, and counts the bytes of every storage
+the step creates while it lives (a dispatch mode: each op's outputs, freed when their storage is; the
+gradients apart, so that sharding can divide them). What it records is, after each op, (bytes of
+activations and temporaries, bytes of gradients): the timeline the planner's peak is taken from.
+Parameters and optimizer states are counted from the shapes (pipelines.plan_budget).
 """
 
 from __future__ import annotations
@@ -109,9 +109,12 @@ def model_config(source: dict | str):
     )
 
 
-def build(mc, dtype, lora: dict | None = None, frozen: bool = False, quantized: bool = False):
-    """The model on the meta device, in `dtype`, with LoRA adapters (`lora`: r, alpha, target_modules) on a
-    frozen base when given."""
+def build(mc, dtype, lora: dict | None = None, frozen: bool = False, quantized: bool = False, loaded: bool = False):
+    """The model on the meta device, in `dtype`, with LoRA adapters (`lora`: r, alpha, dropout, target_modules)
+    on a frozen base when given. `loaded`: the stage loads its model with `from_pretrained`, which leaves every
+    module in eval mode, and trains it so: its decoder layers then skip activation checkpointing (transformers
+    checkpoints a layer only in training mode) until the loop's first evaluation ends with `model.train()`,
+    and the modules PEFT adds (the adapters' dropout) train."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -122,13 +125,21 @@ def build(mc, dtype, lora: dict | None = None, frozen: bool = False, quantized: 
             model = AutoModelForCausalLM.from_config(mc)
     finally:
         torch.set_default_dtype(previous)
+    if loaded:
+        model.eval()
     if frozen or lora:
         model.requires_grad_(False)
     if lora:
         from peft import LoraConfig, get_peft_model
 
         targets = "all-linear" if "all-linear" in lora["target_modules"] else list(lora["target_modules"])
-        config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=targets, task_type="CAUSAL_LM")
+        config = LoraConfig(
+            r=lora["r"],
+            lora_alpha=lora["alpha"],
+            lora_dropout=lora.get("dropout", 0.0),
+            target_modules=targets,
+            task_type="CAUSAL_LM",
+        )
         model = get_peft_model(model, config, autocast_adapter_dtype=False)
     return model
 
@@ -214,15 +225,15 @@ class LiveBytes:
 def trace(model, micro_batch: int, seq: int, micro_batches: int, autocast_dtype, checkpointing: str, every: int):
     """One optimizer step's forward and backward passes over `micro_batches` micro-batches of (micro_batch,
     seq) tokens on fake tensors (CPU kernels' shapes: scaled-dot-product attention keeps no (T, T) scores),
-    gradients accumulating across them as the loop's do. The optimizer step itself allocates nothing
-    lasting beyond its states (fused AdamW; bitsandbytes' 8-bit AdamW in place)."""
+    gradients accumulating across them as the loop's do, each module in the mode `build` left it in. The
+    optimizer step itself allocates nothing lasting beyond its states (fused AdamW; bitsandbytes' 8-bit AdamW
+    in place)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if checkpointing != "none":
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable(every_n_layers=every if checkpointing == "selective" else 1)
-    model.train()
     vocab = (
         model.config.vocab_size if hasattr(model.config, "vocab_size") else model.config.get_text_config().vocab_size
     )

@@ -144,3 +144,31 @@ def test_the_launchers_check_reads_the_stage_arguments():
     line = plan.launch_check("pretrain", args, 1, 1, gpu_mem=2, host_mem=64)
     assert line.startswith("plan: pretrain needs ") and "pretrain.train.activation_checkpointing" in line, line
     assert plan.launch_check("pretrain", args[:4], 1, 1, gpu_mem=2, host_mem=64) is None
+
+
+def test_the_planners_finetune_model_trains_in_the_modes_of_the_stages(tmp_path):
+    """finetune_qlora loads its base with from_pretrained (eval mode) and the loop trains it so: the planner's
+    model has the same modules in training mode (the decoder layers not: they skip activation checkpointing)
+    and the same adapter dropout. Should the stage put its model in training mode, drop StageSpec.loaded."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stages import finetune_qlora
+    from stages.common import config
+
+    mc = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(mc).save_pretrained(tmp_path)
+    cfg = dataclasses.replace(config.load(finetune_qlora.Config, "finetune_qlora", PARAMS, []), base=str(tmp_path))
+    stage = finetune_qlora.add_adapters(finetune_qlora.load_base(cfg, torch.device("cpu"), quantized=False), cfg)
+    lora = plan.load_params(PARAMS, None, [])["finetune_qlora"]["lora"]
+    planned_model = plan_trace.build(mc, torch.float32, lora=lora, frozen=True, loaded=True)
+
+    def modes(model):
+        return {name: (m.training, getattr(m, "p", None)) for name, m in model.named_modules()}
+
+    assert modes(planned_model) == modes(stage)
+    assert not modes(stage)["base_model.model.model.layers.0"][0]
+    assert any(p for _, p in modes(stage).values())  # the adapters' dropout is planned too
