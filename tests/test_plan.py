@@ -172,3 +172,14 @@ def test_the_planners_finetune_model_trains_in_the_modes_of_the_stages(tmp_path)
     assert modes(planned_model) == modes(stage)
     assert not modes(stage)["base_model.model.model.layers.0"][0]
     assert any(p for _, p in modes(stage).values())  # the adapters' dropout is planned too
+
+
+def test_finetune_qlora_holds_its_encoded_records_on_the_host():
+    machine = plan.Machine(procs=1, process_mb=PROCESS_MB)
+    seq = plan.load_params(PARAMS, None, [])["finetune_qlora"]["seq_length"]
+    for records, overrides in ((5_000, []), (300, ["prepare_data.instructions_max_records=300"])):
+        rows = planned(None, machine, "finetune_qlora@nf4", overrides)
+        assert rows["finetune_qlora@nf4"]["budget"].parts["records"] == 2 * 2 * 8 * records * seq
+    gpu = plan.Machine(gpus=8, gpu_mem=80, host_mem=125, process_mb=PROCESS_MB)
+    b = planned(None, gpu, "finetune_qlora@nf4")["finetune_qlora@nf4"]["budget"]
+    assert "records" not in b.parts and b.host_parts["records"] == 2 * 2 * 8 * 5_000 * seq
