@@ -11,7 +11,7 @@ largest process's peak resident memory (VmHWM: the run's wrapper reads getrusage
 ru_maxrss, the largest of its descendants, torchrun's workers included), and their ratio.
 
 The planner's per-rank peak on CPU adds the process baseline, what a stage's process holds besides its
-tensors (interpreter, libraries, tokenizer, records, threads, the allocator's slack). The bench measures it
+tensors and records (interpreter, libraries, tokenizer, threads, the kernels' buffers). The bench measures it
 once per stage as an "empty process": the same stage run at the ci preset's own size (2 layers of width 64,
 its tensors a few MiB), less the planner's tensor figure for that run; it is printed as `process` and given
 to the planner (--process-mb) for the other configs. Also printed: what the planner measures when not given
@@ -19,8 +19,12 @@ one, a fresh Python that only imports the stage and its libraries.
 
 Configs: pretrain in fp32 and bf16 autocast, activation checkpointing none and full, 1 process and 2 (DDP;
 FSDP2 with full checkpointing); finetune_qlora with an NF4 base and with the unquantized base (1 process;
-its base a random Llama of the same shape saved here with the tokenizer). Goal: planned within 15% of
-measured for each.
+its base a random Llama of the same shape saved here with the tokenizer; the planner counts the records of
+--instructions, which the stage reads). Goal: planned within 15% of measured for each.
+
+What the planner leaves out on CPU is glibc's malloc: once a process frees a block it had mapped, glibc
+raises its mmap threshold to that size and keeps the holes of its heap resident. In the environment
+MALLOC_MMAP_THRESHOLD_=131072 the threshold stays fixed, and the measured peaks are what the tensors take.
 """
 
 from __future__ import annotations
@@ -58,10 +62,11 @@ WRAPPER = (
 )
 
 
-def overrides(vocab: int, base: Path, tiny: bool = False) -> list[str]:
+def overrides(vocab: int, base: Path, records: Path, tiny: bool = False) -> list[str]:
     """The bench's params over the ci preset, as section.key=value (`tiny`: the ci preset's own model and
-    context, for the process baseline)."""
-    out = [f"tokenize.vocab_size={vocab}", f"base.model={base}"]  # (the planner's; the stage's is --base)
+    context, for the process baseline). The planner's base and records are the stage's (--base, --input)."""
+    out = [f"tokenize.vocab_size={vocab}", f"base.model={base}"]
+    out += [f"prepare_data.instructions={records}", "prepare_data.instructions_max_records=0"]
     if not tiny:
         out += [f"pretrain.model.{k}={v}" for k, v in MODEL.items()]
         out += ["pretrain.model.max_position_embeddings=256", "pretrain.context_length=256"]
@@ -137,7 +142,8 @@ def main() -> None:
                 continue
             item = f"{stage}@{extra['quantization']}" if "quantization" in extra else stage
             if stage not in baselines:  # the empty process: the stage at the ci size, less its planned tensors
-                tiny = [*overrides(vocab, work / "tiny", tiny=True), *(f"{stage}.{k}={v}" for k, v in extra.items())]
+                tiny = [*overrides(vocab, work / "tiny", instructions, tiny=True)]
+                tiny += [f"{stage}.{k}={v}" for k, v in extra.items()]
                 b, measured = run(stage, 1, tiny, item, 0, work / "tiny")
                 imports = plan.process_baseline(stage, {})
                 baselines[stage] = (measured - b.peak) / 2**20
@@ -147,7 +153,7 @@ def main() -> None:
                     f"its libraries: {imports / 2**20:.0f} MiB",
                     flush=True,
                 )
-            mine = [*overrides(vocab, work / "base"), *(f"{stage}.{k}={v}" for k, v in extra.items())]
+            mine = [*overrides(vocab, work / "base", instructions), *(f"{stage}.{k}={v}" for k, v in extra.items())]
             b, measured = run(stage, procs, mine, item, baselines[stage], work / "base")
             row = {
                 "config": name,

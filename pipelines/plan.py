@@ -10,16 +10,20 @@ For each training stage (pretrain, extend_context, finetune_qlora@nf4, finetune_
 the stage's own model is built on the meta device (pipelines.plan_trace: params, a local Hugging Face
 folder, the local hub cache, or a known published shape; nothing is downloaded), and one optimizer step
 of its micro-batches is traced on fake tensors, so the activations are those of the real code
-(scaled-dot-product attention, autocast, activation checkpointing, the fp32 loss). The parts per rank
-(pipelines.plan_budget: parameters, gradients, optimizer states, NF4 weights, adapters, activations at the
-peak, DDP buckets, FSDP's gathered layers) follow the train section's strategy and precision, and the peak
-is taken per phase: training, and rank 0's publish (pretrain, extend_context) or merge (finetune_qlora).
+(scaled-dot-product attention, autocast, activation checkpointing where the stage's modules train in
+training mode, the adapters' dropout, the fp32 loss). The parts per rank (pipelines.plan_budget:
+parameters, gradients, optimizer states, NF4 weights, adapters, activations at the peak, DDP buckets,
+FSDP's gathered layers, finetune_qlora's encoded records on the host) follow the train section's strategy
+and precision, and the peak is taken per phase: training, and rank 0's publish (pretrain, extend_context)
+or merge (finetune_qlora).
 
 Processes: GPU stages take one per GPU, up to their `gpus_per_node` (pipelines/stages.yaml), as the
 launcher starts them; on CPUs (`--gpus 0`) their `nproc_per_node`, or --procs. On CPUs every process also
 holds the interpreter with its libraries: the planner measures it (`--process-mb` to give it), as the
-resident memory of a fresh Python that imports the stage and its libraries. On GPUs the device also holds
-the CUDA context and the allocator's slack: `--gpu-reserve` GiB (default 1), an allowance.
+resident memory of a fresh Python that imports the stage and its libraries. Not planned on CPUs: the
+holes glibc's malloc keeps in its heap once its mmap threshold has risen (docs/parallelism.md measures
+them). On GPUs the device also holds the CUDA context and the allocator's slack: `--gpu-reserve` GiB
+(default 1), an allowance.
 
 A stage that cannot fit its limits (--gpu-mem per GPU, host memory per node: --host-mem or the stage's
 `mem_mb`, --disk) is refused, one line each, naming the figure, the limit and the key to change; the exit
@@ -58,6 +62,10 @@ TRAIN_DEFAULTS = {
     "async_checkpoint": True,
 }
 STAGE_LIBRARIES = {"finetune_qlora": ("peft", "bitsandbytes")}
+# Records of prepare_data's named instruction sources (stages.prepare_data.write_instructions): the Alpaca
+# subset it fetches (sources.ALPACA_5K; the hub's whole train split only where that file cannot be had) and
+# the hub's train split
+KNOWN_RECORDS = {"alpaca": 5_000, "hub:tatsu-lab/alpaca": 52_002}
 
 
 @dataclass
@@ -98,6 +106,8 @@ class StageSpec:
     runs: int = 1
     """Trainings one after another (extend_context's fine-tunes)."""
     models_out: int = 1
+    records: int = 0
+    """Instruction records the stage encodes (finetune_qlora), held on the host while it trains."""
     notes: list = field(default_factory=list)
 
 
@@ -143,9 +153,24 @@ def specs(params: dict, stage: str | None, machine: Machine, layout_of) -> list[
             if stage and stage not in (name, section):
                 continue
             out.append(spec_of(section, item, sec, base, machine, layout_of))
+            if section == "finetune_qlora":
+                out[-1].records = instruction_records(params.get("prepare_data") or {}, out[-1].notes)
     if stage and not out:
         raise config.ConfigError(f"plan: no training stage {stage!r}; stages: {', '.join(TRAINING)} (name@item)")
     return out
+
+
+def instruction_records(prepare: dict, notes: list) -> int:
+    """How many records prepare_data writes for finetune_qlora: its source's (a named one, or a local .jsonl
+    counted), at most `instructions_max_records`; 0, with a note, when neither says (a hub dataset)."""
+    source, cap = prepare.get("instructions", "alpaca"), prepare.get("instructions_max_records") or 0
+    count = KNOWN_RECORDS.get(source)
+    if count is None and Path(source).suffix == ".jsonl" and Path(source).is_file():
+        with open(source, "rb") as fh:
+            count = sum(1 for line in fh if line.strip())
+    if count is None and not cap:
+        notes.append(f"the records of {source} not counted (prepare_data.instructions_max_records bounds them)")
+    return min(count, cap) if count is not None and cap else count or cap
 
 
 def base_of(params: dict, pretrained: dict) -> dict | str:

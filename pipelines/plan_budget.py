@@ -11,6 +11,7 @@ Bytes per parameter, as the stages store them:
   optimizer    adamw: 2 states of the parameter's dtype; adamw8bit / paged_adamw8bit: 2 uint8 states and one
                fp32 absmax per 256 entries each, for tensors of 4,096 entries or more (smaller ones keep fp32
                states)
+and finetune_qlora's encoded records on the host: int64 inputs and targets of seq_length per record, twice.
 Sharding: ddp holds every part whole on every process, plus DDP's gradient buckets (a second copy of the
 gradients); fsdp divides parameters, gradients and optimizer states by the shard group (a frozen base's
 adapters stay whole), and holds two decoder layers gathered (the one computing and the one prefetched) and
@@ -155,9 +156,13 @@ def per_rank(spec, params, trace, layout: Layout, baseline: int, runtime: int) -
     if spec.train["checkpoint_every"] and spec.train.get("async_checkpoint", True):
         # DCP's stager keeps a host copy of the rank's checkpointed state between saves
         staging = sum(p.numel * w for p in trainable) / divide_trainable / split + parts.get("optimizer", 0)
-    b.host_parts = {"checkpoint staging": staging, "process": baseline}
+    # finetune_qlora's encoded records on the host: (records, seq) int64 inputs and targets, twice (the encoded
+    # arrays stay referenced in the stage's run() beside the train/eval split's copies that the loop reads)
+    records = 2 * 2 * 8 * spec.records * spec.seq
+    b.host_parts = {"checkpoint staging": staging, "records": records, "process": baseline}
     if not spec.gpu:
         parts["checkpoint staging"] = staging
+        parts["records"] = records
     parts["process" if not spec.gpu else "runtime reserve"] = runtime
     on_device = sum(v for k, v in parts.items() if k not in ("gradients", "activations") and "(host" not in k)
     b.phases["train"] = int(on_device + peak)
@@ -212,7 +217,7 @@ def merged_in_fp32(p) -> bool:
 
 def host_memory(spec, b: Budget, layout: Layout) -> None:
     """Peak host memory per node: on CPUs every process's memory; on GPUs each process's runtime, its
-    checkpoint staging copy and offloaded state, and rank 0's publish or merge (above)."""
+    checkpoint staging copy, records and offloaded state, and rank 0's publish or merge (above)."""
     per_node = layout.processes // layout.nodes
     baseline = b.host_parts["process"]
     if not spec.gpu:
@@ -223,7 +228,8 @@ def host_memory(spec, b: Budget, layout: Layout) -> None:
                 b.host[phase] = int(b.phases[phase] + others)
         return
     offloaded = sum(v for k, v in b.parts.items() if "(host" in k)
-    b.host["train"] = int(per_node * (baseline + b.host_parts["checkpoint staging"] + offloaded))
+    held = b.host_parts["checkpoint staging"] + b.host_parts["records"]
+    b.host["train"] = int(per_node * (baseline + held + offloaded))
 
 
 def disk(spec, params, runs_models: int, hub_download: bool, stored_bytes: int) -> dict:

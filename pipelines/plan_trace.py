@@ -8,12 +8,12 @@ those has it, the published shape (`KNOWN`): nothing is downloaded.
 
 `trace` then runs the stage's micro-batches of one optimizer step (forward, fp32 cross-entropy as
 stages.common.losses computes it, backward; autocast and activation checkpointing as the train section
-sets them) under torch's FakeTensorMode, where every tensor has a shape, a dtype and a device but no
-data, and counts the bytes of every storage the step creates while it lives (a dispatch mode: each op's
-outputs, freed when their storage is; the gradients apart, so that sharding can divide them). What it
-records is, after each op, (bytes of activations and temporaries, bytes of gradients): the timeline the
-planner's peak is taken from. Parameters and optimizer states are counted from the shapes
-(pipelines.plan_budget).
+sets them, in training mode) under torch's FakeTensorMode,
+where every tensor has a shape, a dtype and a device but no data, and counts the bytes of every storage
+the step creates while it lives (a dispatch mode: each op's outputs, freed when their storage is; the
+gradients apart, so that sharding can divide them). What it records is, after each op, (bytes of
+activations and temporaries, bytes of gradients): the timeline the planner's peak is taken from.
+Parameters and optimizer states are counted from the shapes (pipelines.plan_budget).
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ def model_config(source: dict | str):
 
 
 def build(mc, dtype, lora: dict | None = None, frozen: bool = False, quantized: bool = False):
-    """The model on the meta device, in `dtype`, with LoRA adapters (`lora`: r, alpha, target_modules) on a
-    frozen base when given."""
+    """The model on the meta device, in `dtype`, with LoRA adapters (`lora`: r, alpha, dropout, target_modules)
+    on a frozen base when given."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -128,7 +128,13 @@ def build(mc, dtype, lora: dict | None = None, frozen: bool = False, quantized: 
         from peft import LoraConfig, get_peft_model
 
         targets = "all-linear" if "all-linear" in lora["target_modules"] else list(lora["target_modules"])
-        config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=targets, task_type="CAUSAL_LM")
+        config = LoraConfig(
+            r=lora["r"],
+            lora_alpha=lora["alpha"],
+            lora_dropout=lora.get("dropout", 0.0),
+            target_modules=targets,
+            task_type="CAUSAL_LM",
+        )
         model = get_peft_model(model, config, autocast_adapter_dtype=False)
     return model
 
@@ -214,8 +220,9 @@ class LiveBytes:
 def trace(model, micro_batch: int, seq: int, micro_batches: int, autocast_dtype, checkpointing: str, every: int):
     """One optimizer step's forward and backward passes over `micro_batches` micro-batches of (micro_batch,
     seq) tokens on fake tensors (CPU kernels' shapes: scaled-dot-product attention keeps no (T, T) scores),
-    gradients accumulating across them as the loop's do. The optimizer step itself allocates nothing
-    lasting beyond its states (fused AdamW; bitsandbytes' 8-bit AdamW in place)."""
+    gradients accumulating across them as the loop's do, in training mode as the loop trains (dropout, and
+    the activation checkpointing transformers applies only in training mode). The optimizer step itself
+    allocates nothing lasting beyond its states (fused AdamW; bitsandbytes' 8-bit AdamW in place)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 

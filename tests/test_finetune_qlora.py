@@ -306,6 +306,31 @@ def test_step_loss_is_the_mean_over_target_tokens(tmp_path):
     assert result.history["loss"][0] == pytest.approx(want, rel=1e-5)
 
 
+def test_a_model_loaded_in_eval_mode_trains_in_training_mode_from_the_first_step(tmp_path):
+    """from_pretrained leaves a model in eval mode, where dropout is off and transformers checkpoints no
+    decoder layer: the loop trains it in training mode from its first step, not only after a validation."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    mc = LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16,
+    )  # fmt: skip
+    model = LlamaForCausalLM(mc).eval()
+    modes = []
+    model.model.layers[0].register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    x = torch.randint(0, 50, (2, 16))
+
+    class Source:
+        def batch(self, step, index, size):
+            return x[index : index + size], x[index : index + size]
+
+    cfg = train_config.build(steps=1, batch_size=2, micro_batch_size=2, warmup_steps=0, eval_every=0)
+    rt = runtime.Runtime(0, 1, 0, 1, torch.device("cpu"))
+    loop.train(model, Source(), Source(), cfg, 16, rt, tmp_path / "ckpt", NullTracker(), runtime.StopFlag())
+    assert modes == [True]
+
+
 def test_gradients_after_a_no_grad_eval_equal_the_dequantized_reference(tmp_path):
     """A no-grad evaluation before training must not change what training computes. (bitsandbytes
     repacks a 4-bit weight for a bf16 inference kernel without backward on its first eval-mode, no-grad

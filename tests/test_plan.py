@@ -66,12 +66,12 @@ def test_a_hub_base_plans_every_training_stage_of_its_dag_and_no_pretrain():
     assert study["vocab_size"] == plan_trace.model_config("meta-llama/Meta-Llama-3-8B")[0].vocab_size == 128256
 
 
-def test_a_node_whose_host_memory_cannot_hold_the_8b_merge_is_refused_naming_the_request():
+def test_a_node_whose_host_memory_cannot_hold_the_8b_stage_is_refused_naming_the_request():
     machine = plan.Machine(gpus=1, gpu_mem=24, process_mb=PROCESS_MB)
     assert planned("llama3-8b-qlora", machine, "finetune_qlora@nf4")["finetune_qlora@nf4"]["refused"] is None
     machine = plan.Machine(gpus=1, gpu_mem=24, host_mem=1.5, process_mb=PROCESS_MB)
     line = planned("llama3-8b-qlora", machine, "finetune_qlora@nf4")["finetune_qlora@nf4"]["refused"]
-    assert line.startswith("plan: finetune_qlora@nf4 needs ") and "(merge)" in line, line
+    assert line.startswith("plan: finetune_qlora@nf4 needs ") and "host memory per node (train)" in line, line
     assert "finetune_qlora's mem_mb_per_gpu in pipelines/stages.yaml" in line, line
 
 
@@ -158,3 +158,43 @@ def test_the_launchers_check_reads_the_stage_arguments():
     line = plan.launch_check("pretrain", args, 1, 1, gpu_mem=2, host_mem=64)
     assert line.startswith("plan: pretrain needs ") and "pretrain.train.activation_checkpointing" in line, line
     assert plan.launch_check("pretrain", args[:4], 1, 1, gpu_mem=2, host_mem=64) is None
+
+
+def test_the_planners_finetune_model_trains_in_the_modes_of_the_stages(tmp_path):
+    """finetune_qlora loads its base with from_pretrained (eval mode); the loop trains it in training mode (its
+    decoder layers checkpointed, the adapters' dropout on from the first step), and the planner traces the same
+    modules in the same modes, with the same adapter dropout."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stages import finetune_qlora
+    from stages.common import config
+
+    mc = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(mc).save_pretrained(tmp_path)
+    cfg = dataclasses.replace(config.load(finetune_qlora.Config, "finetune_qlora", PARAMS, []), base=str(tmp_path))
+    stage = finetune_qlora.add_adapters(finetune_qlora.load_base(cfg, torch.device("cpu"), quantized=False), cfg)
+    lora = plan.load_params(PARAMS, None, [])["finetune_qlora"]["lora"]
+    planned_model = plan_trace.build(mc, torch.float32, lora=lora, frozen=True).train()
+
+    def modes(model):
+        return {name: (m.training, getattr(m, "p", None)) for name, m in model.named_modules()}
+
+    assert not modes(stage)["base_model.model.model.layers.0"][0], "from_pretrained leaves it in eval mode"
+    stage.train()
+    assert modes(planned_model) == modes(stage)
+    assert any(p for _, p in modes(stage).values())  # the adapters' dropout is planned too
+
+
+def test_finetune_qlora_holds_its_encoded_records_on_the_host():
+    machine = plan.Machine(procs=1, process_mb=PROCESS_MB)
+    seq = plan.load_params(PARAMS, None, [])["finetune_qlora"]["seq_length"]
+    for records, overrides in ((5_000, []), (300, ["prepare_data.instructions_max_records=300"])):
+        rows = planned(None, machine, "finetune_qlora@nf4", overrides)
+        assert rows["finetune_qlora@nf4"]["budget"].parts["records"] == 2 * 2 * 8 * records * seq
+    gpu = plan.Machine(gpus=8, gpu_mem=80, host_mem=125, process_mb=PROCESS_MB)
+    b = planned(None, gpu, "finetune_qlora@nf4")["finetune_qlora@nf4"]["budget"]
+    assert "records" not in b.parts and b.host_parts["records"] == 2 * 2 * 8 * 5_000 * seq

@@ -325,6 +325,10 @@ def train(
 def _train(model, train_data, val_data, cfg, context_length, rt, saver, tracker, stop, watch) -> TrainResult:
     tr = build(model, train_data, val_data, cfg, context_length, rt)
     model, optimizer, scaler = tr.model, tr.optimizer, tr.scaler
+    # Training mode from the first step: a model from_pretrained loaded is in eval mode, where dropout is off
+    # and transformers checkpoints no decoder layer (activation_checkpointing would act only after the first
+    # validation, which ends with model.train()).
+    model.train()
     state = saver.resume(model, optimizer, scaler)
     history = state.history
     dtype = runtime.compute_dtype(rt.device, cfg.precision)
