@@ -11,7 +11,7 @@ Bytes per parameter, as the stages store them:
   optimizer    adamw: 2 states of the parameter's dtype; adamw8bit / paged_adamw8bit: 2 uint8 states and one
                fp32 absmax per 256 entries each, for tensors of 4,096 entries or more (smaller ones keep fp32
                states)
-and finetune_qlora's encoded records on the host: int64 inputs and targets of seq_length per record, twice.
+and finetune_qlora's encoded records on the host: int64 inputs and targets of seq_length per record.
 Sharding: ddp holds every part whole on every process, plus DDP's gradient buckets (a second copy of the
 gradients); fsdp divides parameters, gradients and optimizer states by the shard group (a frozen base's
 adapters stay whole), and holds two decoder layers gathered (the one computing and the one prefetched) and
@@ -156,9 +156,9 @@ def per_rank(spec, params, trace, layout: Layout, baseline: int, runtime: int) -
     if spec.train["checkpoint_every"] and spec.train.get("async_checkpoint", True):
         # DCP's stager keeps a host copy of the rank's checkpointed state between saves
         staging = sum(p.numel * w for p in trainable) / divide_trainable / split + parts.get("optimizer", 0)
-    # finetune_qlora's encoded records on the host: (records, seq) int64 inputs and targets, twice (the encoded
-    # arrays stay referenced in the stage's run() beside the train/eval split's copies that the loop reads)
-    records = 2 * 2 * 8 * spec.records * spec.seq
+    # finetune_qlora's encoded records on the host: (records, seq) int64 inputs and targets, the train/eval
+    # split's copies that the loop reads (the stage frees the encoded arrays once split)
+    records = 2 * 8 * spec.records * spec.seq
     b.host_parts = {"checkpoint staging": staging, "records": records, "process": baseline}
     if not spec.gpu:
         parts["checkpoint staging"] = staging

@@ -194,7 +194,7 @@ def test_finetune_qlora_holds_its_encoded_records_on_the_host():
     seq = plan.load_params(PARAMS, None, [])["finetune_qlora"]["seq_length"]
     for records, overrides in ((5_000, []), (300, ["prepare_data.instructions_max_records=300"])):
         rows = planned(None, machine, "finetune_qlora@nf4", overrides)
-        assert rows["finetune_qlora@nf4"]["budget"].parts["records"] == 2 * 2 * 8 * records * seq
+        assert rows["finetune_qlora@nf4"]["budget"].parts["records"] == 2 * 8 * records * seq
     gpu = plan.Machine(gpus=8, gpu_mem=80, host_mem=125, process_mb=PROCESS_MB)
     b = planned(None, gpu, "finetune_qlora@nf4")["finetune_qlora@nf4"]["budget"]
-    assert "records" not in b.parts and b.host_parts["records"] == 2 * 2 * 8 * 5_000 * seq
+    assert "records" not in b.parts and b.host_parts["records"] == 2 * 8 * 5_000 * seq
