@@ -23,6 +23,8 @@ The links, from what a reader sees back to what made it:
   environment  the packages installed here are the versions of the package files dvc.lock's stages
             depend on (pipelines/packages/<family>.txt); a difference is a note naming them, as the stages
             themselves refuse to run on other versions (stages.common.environment)
+Only the stages of the DAG that params.yaml makes now are checked: dvc.lock keeps the records of stages
+that left it (pretrain while base.model names another model), each named in a note.
 One line per link: `ok`, or `BROKEN` with what is broken, where, and the command that mends it (run as
 printed up to its first " (", which opens what it does or an alternative); the exit code is 1 when a link
 is broken. tests/test_e2e_verify.py breaks each link and runs the mend printed for it. `--against`
@@ -87,6 +89,20 @@ def lock_outs(lock: dict) -> dict[str, tuple[str, str]]:
         for stage, entry in (lock.get("stages") or {}).items()
         for out in entry.get("outs", ())
     }
+
+
+def in_the_dag(root: Path, lock: dict, r: Report) -> dict:
+    """dvc.lock with the records of the stages in the DAG that params.yaml makes now; a note names each other
+    one (a stage that left the DAG keeps its record, which a return to it reuses)."""
+    try:
+        table = load_table(root / "pipelines/stages.yaml")
+    except (OSError, ValueError, yaml.YAMLError):  # (a table that does not load: `dvc status` names what breaks)
+        return lock
+    current = {name for st in table.values() for name, _ in st.instances()}
+    stages = lock.get("stages") or {}
+    for name in sorted(set(stages) - current):
+        r.note("causes", f"stage {name}: in dvc.lock but not in the DAG of this params.yaml (base.model): not checked")
+    return {**lock, "stages": {name: entry for name, entry in stages.items() if name in current}}
 
 
 def check_report(root: Path, r: Report) -> None:
@@ -298,10 +314,13 @@ def published(stage: str, out: Path) -> list[str]:
     """The registered names of the models a stage instance (`<stage>` or `<stage>@<item>`, as dvc.lock names
     it) published in its out: a Hugging Face folder `model/` is the stage's model (`pretrain`,
     `finetune_qlora-nf4`), each `model/<variant>/` one per variant (`extend_context-yarn`), as each stage
-    registers them (stages.common.stage.register_models, named by registry.model_name)."""
+    registers them (stages.common.stage.register_models, named by registry.model_name). The base stage's
+    copy of a hub model or folder is none: its record is the source and commit in its meta.json."""
     from stages.common import registry
 
     section, _, item = stage.partition("@")
+    if section == "base":  # a copy of another's model, not registered: data/base/meta.json names its source
+        return []
     folder = out / "model"
     if (folder / "config.json").is_file():
         return [registry.model_name(section, item or None)]
@@ -617,6 +636,7 @@ def main(argv=None) -> int:
         )
         return 1
     r = Report()
+    lock = in_the_dag(root, lock, r)
     check_report(root, r)
     check_status(root, lock, r)
     if args.rehash:
