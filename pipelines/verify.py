@@ -16,9 +16,9 @@ The links, from what a reader sees back to what made it:
   causes    each stage's code, params and packages (its deps in dvc.lock) are those of this checkout
   registry  each model an out of dvc.lock publishes (a `model/` folder: `published`) has a version
             registered from that out as dvc.lock records it (output_dvc_md5), from these params
-            (params_sha256) and this code (code_sha256); the version under the alias `reproduced` is
-            one of those, and the models whose report rows all pass have it. Versions registered from
-            other outs (an experiment's) are passed over
+            (params_sha256) and this code (code_sha256); the models whose report rows all pass have the
+            alias `reproduced` on one of those (on another out's version, where this out's rows do not all
+            pass, it is a note). Versions registered from other outs (an experiment's) are passed over
   checkpoints  each checkpoint left in checkpoints/ matches its manifest, and was written by this code
   environment  the packages installed here are the versions of the package files dvc.lock's stages
             depend on (pipelines/packages/<family>.txt); a difference is a note naming them, as the stages
@@ -412,7 +412,8 @@ def check_registry(root: Path, lock: dict, r: Report) -> None:
             problems.append(f"code_sha256 {version.tags.get('code_sha256', 'unrecorded')[:12]} is not this code's")
         mend = rerun if problems else "dvc repro -f -s report (the report sets the alias on a version of this out)"
         alias = models[name].aliases.get(registry.ALIAS) if isinstance(models[name].aliases, dict) else None
-        if alias is not None and str(alias) not in {str(v.version) for v in ours}:
+        elsewhere = alias is not None and str(alias) not in {str(v.version) for v in ours}
+        if elsewhere and name in aliased:
             problems.append(f"alias {registry.ALIAS} names v{alias}, not a version of this out")
         elif alias is None and name in aliased:
             problems.append(f"no version has the alias {registry.ALIAS}, which the report's passing rows give it")
@@ -420,6 +421,9 @@ def check_registry(root: Path, lock: dict, r: Report) -> None:
             r.bad("registry", f"{where} v{version.version}: {'; '.join(problems)}", mend)
         else:
             r.ok("registry", f"{where} v{version.version}: out, params and code as recorded")
+        if elsewhere and name not in aliased:  # (an earlier out passed; this one has no passing rows to move it)
+            r.note("registry", f"models:/{name}@{registry.ALIAS} is v{alias}, of another out: the report's rows "
+                   "about this out do not all pass (or there are none), so the alias stays where it was")  # fmt: skip
     for name in sorted(set(models) - set(expected)):
         r.note("registry", f"models:/{name}: no out of this dvc.lock publishes it (an experiment's, or another run's)")
 
