@@ -191,10 +191,10 @@ def for_base(entry: dict, kind: str, where: str) -> dict | None:
         raise TableError(f"{where}: with_base: {sorted(set(extra) - {'args', 'deps'})}; valid: args, deps")
     # A stage whose command or inputs follow base.model declares it, so that a dvc.yaml made for the other
     # kind of base runs it after base.model changed, and the launcher refuses the stale command.
-    params = list(entry.get("params") or ())
     made = {k: sub(v) for k, v in entry.items() if k not in ("when", "with_base")}
     follows = when is not None or extra or made != {k: entry[k] for k in made}  # (it named ${base})
     entry = made
+    params = list(entry.get("params") or ())
     if follows and "base" not in params:
         entry["params"] = [*params, "base.model"]
     if kind == "base":

@@ -13,7 +13,9 @@ moved to `<file>.bad` and the file is reported as failed: never left under its f
 extracted and checked in turn; the archive is removed once all its members are in place.
 
 PIPELINE_MIRROR_BASE_URL=<url> fetches every file from `<url>/<its path in the mirror>` and every archive
-from `<url>/<its file name>` instead of the public sources (a copy on a local server).
+from `<url>/<its file name>` instead of the public sources (a copy on a local server). Where that server
+has no archive (404), each of its members is fetched as a file, from `<url>/<its path in the mirror>`: a
+mirror folder served as it is.
 Exit status: 0 when every file is in place, 1 when any failed (one line each, then a summary).
 """
 
@@ -42,6 +44,10 @@ CHUNK = 1 << 16
 
 class MirrorError(Exception):
     """One file could not be put in place; the message names the file, the cause and what to do."""
+
+
+class NotServed(MirrorError):
+    """The server answered 404: it has no such file."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,8 @@ def download(item: Download, dest: Path) -> None:
         except (OSError, http.client.HTTPException) as e:  # URLError, a timeout, a reset, a cut chunk
             failure = str(e) or type(e).__name__
             if isinstance(e, urllib.error.HTTPError) and e.code not in (408, 429, 500, 502, 503, 504):
-                raise MirrorError(f"{item.label}: download from {item.url} failed ({failure}); {item.fix}") from None
+                error = NotServed if e.code == 404 else MirrorError
+                raise error(f"{item.label}: download from {item.url} failed ({failure}); {item.fix}") from None
         got = part.stat().st_size if part.exists() else 0
         if got >= item.size:
             break
@@ -202,11 +209,32 @@ def build(folder: Path, base: str | None = None) -> list[str]:
                 extract(kept, raw, folder / raw.mirror)
                 report(raw, f"from {archive.name}")
             kept.unlink()
+        except NotServed as e:
+            if base is None:
+                failures.append(str(e))
+                print(f"mirror: error: {e}", file=sys.stderr, flush=True)
+            else:
+                failures += members_as_files(archive, members, folder, base)
         except MirrorError as e:
             failures.append(str(e))
             print(f"mirror: error: {e}", file=sys.stderr, flush=True)
     if (folder / DOWNLOADS).is_dir() and not any((folder / DOWNLOADS).iterdir()):
         (folder / DOWNLOADS).rmdir()
+    return failures
+
+
+def members_as_files(archive: sources.Archive, members: list[sources.RawFile], folder: Path, base: str) -> list[str]:
+    """The members of an archive that the server at `base` does not have, each fetched as a file from
+    `<base>/<its path in the mirror>` (a served mirror folder); the failures, one line each."""
+    failures = []
+    for raw in members:
+        fix = f"the server has neither it nor {archive.name}: check {BASE_URL_ENV}"
+        try:
+            download(Download(raw.mirror, f"{base}/{raw.mirror}", raw.sha256, raw.size, fix), folder / raw.mirror)
+            report(raw, f"downloaded; the server has no {archive.name}")
+        except MirrorError as e:
+            failures.append(str(e))
+            print(f"mirror: error: {e}", file=sys.stderr, flush=True)
     return failures
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from pipelines import dag
 from stages import report
 from stages.common import atomic, config, provenance
 
@@ -30,12 +31,13 @@ HEADER = """\
 """
 
 
-def collect(data: Path) -> dict:
-    """{eval stage label: {model: {context: perplexity}}} from data/eval_perplexity/*/figures.json."""
-    metrics = {
-        f"eval_perplexity/{p.parent.name}": json.loads(p.read_text())
-        for p in sorted((data / "eval_perplexity").glob("*/figures.json"))
-    }
+def collect(data: Path, params_file: Path) -> dict:
+    """{eval stage label: {model: {context: perplexity}}} from data/eval_perplexity/<item>/figures.json of each
+    eval_perplexity stage in the DAG of `params_file` (a folder of the other base model's DAG, left by an
+    earlier run, is passed over: the report under these params never reads it)."""
+    items = dag.load_table(params=params_file)["eval_perplexity"].foreach
+    files = [data / "eval_perplexity" / item / "figures.json" for item in items]
+    metrics = {f"eval_perplexity/{p.parent.name}": json.loads(p.read_text()) for p in files if p.is_file()}
     found = report.perplexities(metrics)
     if not any(found.values()):
         raise SystemExit(f"record: no perplexities under {data / 'eval_perplexity'}; run the pipeline first")
@@ -51,7 +53,7 @@ def record(params_file: Path, data: Path, path: Path = RECORDED, preset: str = "
         "params": report.params_fingerprint(params),
         "recorded": f"{datetime.date.today().isoformat()}, commit {provenance.git_commit()[:12]}",
         **({"preset": preset} if preset else {}),
-        "perplexity": collect(data),
+        "perplexity": collect(data, params_file),
         # the params behind them, for the report to name what differs when no record matches
         "sections": report.regression_params(params),
     }

@@ -16,13 +16,15 @@ The links, from what a reader sees back to what made it:
   causes    each stage's code, params and packages (its deps in dvc.lock) are those of this checkout
   registry  each model an out of dvc.lock publishes (a `model/` folder: `published`) has a version
             registered from that out as dvc.lock records it (output_dvc_md5), from these params
-            (params_sha256) and this code (code_sha256); the version under the alias `reproduced` is
-            one of those, and the models whose report rows all pass have it. Versions registered from
-            other outs (an experiment's) are passed over
+            (params_sha256) and this code (code_sha256); the models whose report rows all pass have the
+            alias `reproduced` on one of those (on another out's version, where this out's rows do not all
+            pass, it is a note). Versions registered from other outs (an experiment's) are passed over
   checkpoints  each checkpoint left in checkpoints/ matches its manifest, and was written by this code
   environment  the packages installed here are the versions of the package files dvc.lock's stages
             depend on (pipelines/packages/<family>.txt); a difference is a note naming them, as the stages
             themselves refuse to run on other versions (stages.common.environment)
+Only the stages of the DAG that params.yaml makes now are checked: dvc.lock keeps the records of stages
+that left it (pretrain while base.model names another model), each named in a note.
 One line per link: `ok`, or `BROKEN` with what is broken, where, and the command that mends it (run as
 printed up to its first " (", which opens what it does or an alternative); the exit code is 1 when a link
 is broken. tests/test_e2e_verify.py breaks each link and runs the mend printed for it. `--against`
@@ -87,6 +89,20 @@ def lock_outs(lock: dict) -> dict[str, tuple[str, str]]:
         for stage, entry in (lock.get("stages") or {}).items()
         for out in entry.get("outs", ())
     }
+
+
+def in_the_dag(root: Path, lock: dict, r: Report) -> dict:
+    """dvc.lock with the records of the stages in the DAG that params.yaml makes now; a note names each other
+    one (a stage that left the DAG keeps its record, which a return to it reuses)."""
+    try:
+        table = load_table(root / "pipelines/stages.yaml")
+    except (OSError, ValueError, yaml.YAMLError):  # (a table that does not load: `dvc status` names what breaks)
+        return lock
+    current = {name for st in table.values() for name, _ in st.instances()}
+    stages = lock.get("stages") or {}
+    for name in sorted(set(stages) - current):
+        r.note("causes", f"stage {name}: in dvc.lock but not in the DAG of this params.yaml (base.model): not checked")
+    return {**lock, "stages": {name: entry for name, entry in stages.items() if name in current}}
 
 
 def check_report(root: Path, r: Report) -> None:
@@ -298,10 +314,13 @@ def published(stage: str, out: Path) -> list[str]:
     """The registered names of the models a stage instance (`<stage>` or `<stage>@<item>`, as dvc.lock names
     it) published in its out: a Hugging Face folder `model/` is the stage's model (`pretrain`,
     `finetune_qlora-nf4`), each `model/<variant>/` one per variant (`extend_context-yarn`), as each stage
-    registers them (stages.common.stage.register_models, named by registry.model_name)."""
+    registers them (stages.common.stage.register_models, named by registry.model_name). The base stage's
+    copy of a hub model or folder is none: its record is the source and commit in its meta.json."""
     from stages.common import registry
 
     section, _, item = stage.partition("@")
+    if section == "base":  # a copy of another's model, not registered: data/base/meta.json names its source
+        return []
     folder = out / "model"
     if (folder / "config.json").is_file():
         return [registry.model_name(section, item or None)]
@@ -393,7 +412,8 @@ def check_registry(root: Path, lock: dict, r: Report) -> None:
             problems.append(f"code_sha256 {version.tags.get('code_sha256', 'unrecorded')[:12]} is not this code's")
         mend = rerun if problems else "dvc repro -f -s report (the report sets the alias on a version of this out)"
         alias = models[name].aliases.get(registry.ALIAS) if isinstance(models[name].aliases, dict) else None
-        if alias is not None and str(alias) not in {str(v.version) for v in ours}:
+        elsewhere = alias is not None and str(alias) not in {str(v.version) for v in ours}
+        if elsewhere and name in aliased:
             problems.append(f"alias {registry.ALIAS} names v{alias}, not a version of this out")
         elif alias is None and name in aliased:
             problems.append(f"no version has the alias {registry.ALIAS}, which the report's passing rows give it")
@@ -401,6 +421,9 @@ def check_registry(root: Path, lock: dict, r: Report) -> None:
             r.bad("registry", f"{where} v{version.version}: {'; '.join(problems)}", mend)
         else:
             r.ok("registry", f"{where} v{version.version}: out, params and code as recorded")
+        if elsewhere and name not in aliased:  # (an earlier out passed; this one has no passing rows to move it)
+            r.note("registry", f"models:/{name}@{registry.ALIAS} is v{alias}, of another out: the report's rows "
+                   "about this out do not all pass (or there are none), so the alias stays where it was")  # fmt: skip
     for name in sorted(set(models) - set(expected)):
         r.note("registry", f"models:/{name}: no out of this dvc.lock publishes it (an experiment's, or another run's)")
 
@@ -617,6 +640,7 @@ def main(argv=None) -> int:
         )
         return 1
     r = Report()
+    lock = in_the_dag(root, lock, r)
     check_report(root, r)
     check_status(root, lock, r)
     if args.rehash:

@@ -42,7 +42,10 @@ also gets a comparison table: the metrics its items share, one column per item.
 
 Regression: our own perplexities (every model and context of the eval_perplexity stages) against the
 values recorded from an earlier run with the same params (`recorded`, pipelines/recorded.yaml; a
-record is keyed by a hash of the params sections that determine the perplexities, REGRESSION_SECTIONS).
+record is keyed by a hash of the params sections that determine the perplexities, REGRESSION_SECTIONS;
+with another base model than the pipeline's own pretrain, params.yaml's `base` section stands in for
+`pretrain`'s, so a run on a hub model never compares with a record of the own pretrain, nor with one of
+another hub model or revision).
 Each becomes a row of the same schema, within `regression_tolerance` (relative) of the recorded value.
 Without a record for these params, the report names the nearest record and the settings that differ
 (records keep their params sections). After a change meant to move them: `python -m pipelines.record`.
@@ -91,7 +94,8 @@ RELATIONS = {
 }
 
 
-# The params sections that determine the eval_perplexity stages' numbers.
+# The params sections that determine the eval_perplexity stages' numbers; with base.model set, `base` (the
+# model and its revision) stands where `pretrain` does, which is then not in the DAG.
 REGRESSION_SECTIONS = ("prepare_data", "tokenize", "pretrain", "extend_context", "eval_perplexity")
 # Keys of those sections that no perplexity depends on (prepare_data's evaluation sets feed eval_harness only).
 REGRESSION_IGNORED = {"prepare_data": ("benchmarks",)}
@@ -219,6 +223,12 @@ def row_cells(row: dict) -> str:
 
 def render_markdown(doc: dict) -> str:
     lines = ["# Results", ""]
+    base = doc.get("base")
+    if base:
+        at = f" at commit `{base['commit']}`" if base["commit"] else ""
+        if base["revision"] and base["revision"] != base["commit"]:  # a branch or tag, resolved when it ran
+            at += f" (revision `{base['revision']}`)"
+        lines += [f"Base model: `{base['model']}`{at}, copied by the base stage (data/base); no pretrain.", ""]
     if doc.get("measured"):
         lines += [
             f"Measured figures (throughput, seconds, peak memory: they differ from run to run) and the "
@@ -286,6 +296,16 @@ def render_markdown(doc: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def base_model(inputs: list[Path]) -> dict | None:
+    """The model, revision and commit the base stage copied (its meta.json) where data/base is among the
+    inputs; None where the base is the pipeline's own pretrain."""
+    for folder in inputs:
+        if stage_label(folder) == "base" and (folder / "meta.json").is_file():
+            meta = json.loads((folder / "meta.json").read_text())
+            return {k: meta.get(f"base_{k}") for k in ("model", "revision", "commit")}
+    return None
+
+
 def raw_data_files(inputs: list[Path]) -> dict:
     """{raw file name: its hash}, from prepare_data's meta.json where it is among the inputs."""
     for folder in inputs:
@@ -308,8 +328,10 @@ def build_report(inputs: list[Path]) -> dict:
                 break
         rows += read_rows(folder, label, data_files)
         plots += sorted(str(p) for p in folder.glob("plots/*.png"))
+    base = base_model(inputs)
     return {
         "row_fields": list(ROW_FIELDS),
+        **({"base": base} if base else {}),  # (a run on the own pretrain: its report as before, byte for byte)
         "rows": rows,
         "stage_metrics": stage_metrics,
         "comparisons": comparisons(stage_metrics),
@@ -361,8 +383,12 @@ def read_records(path: Path) -> list[dict]:
 
 def regression_params(params: dict) -> dict:
     """The params sections behind the perplexities (what the fingerprint hashes), less the keys that do not
-    reach them (REGRESSION_IGNORED)."""
-    sections = {name: params.get(name) for name in REGRESSION_SECTIONS}
+    reach them (REGRESSION_IGNORED); with another base model, its section in place of pretrain's (the records
+    of the own pretrain keep their fingerprints)."""
+    names = REGRESSION_SECTIONS
+    if isinstance(params.get("base"), dict) and params["base"].get("model"):
+        names = tuple("base" if name == "pretrain" else name for name in names)
+    sections = {name: params.get(name) for name in names}
     for name, section in sections.items():
         if isinstance(section, dict):
             ignored, defaults = REGRESSION_IGNORED.get(name, ()), REGRESSION_DEFAULTS.get(name, {})
@@ -373,14 +399,23 @@ def regression_params(params: dict) -> dict:
 
 
 def params_differences(ours: dict, recorded: dict) -> list[str]:
-    """'section.key: ours (recorded: theirs)' for every setting that differs, nested keys flattened."""
-    a, b = config.flatten(ours), config.flatten(recorded)
+    """'section.key: ours (recorded: theirs)' for every setting that differs, nested keys flattened; a section
+    on one side only (pretrain's or base's, across base models) is one line, with its count of settings."""
     absent = "(absent)"
-    return [
-        f"{k}: {a.get(k, absent)} (recorded: {b.get(k, absent)})"
-        for k in sorted(set(a) | set(b))
+    alone = set(ours) ^ set(recorded)
+
+    def side(doc: dict, name: str) -> str:
+        return f"{len(config.flatten({name: doc[name]}))} setting(s)" if name in doc else absent
+
+    lines = {name: f"{name}: {side(ours, name)} (recorded: {side(recorded, name)})" for name in alone}
+    a = config.flatten({k: v for k, v in ours.items() if k not in alone})
+    b = config.flatten({k: v for k, v in recorded.items() if k not in alone})
+    lines |= {
+        k: f"{k}: {a.get(k, absent)} (recorded: {b.get(k, absent)})"
+        for k in set(a) | set(b)
         if a.get(k, absent) != b.get(k, absent)
-    ]
+    }
+    return [lines[k] for k in sorted(lines)]
 
 
 def nearest_record(records: list[dict], params: dict) -> dict | None:

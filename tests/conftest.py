@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from shared_run import MIRROR, ROOT  # noqa: F401  (the repository and the data mirror, for the tests)
+from shared_run import MIRROR, ROOT, require_mirror  # noqa: F401  (the repository and the data mirror, for the tests)
 
 # The repositories the tests make with `dvc init` (remotes, clones) have DVC's usage reports on: after
 # each command DVC starts a `dvc daemon analytics` process, which tries to reach DVC's servers. The
@@ -254,19 +254,9 @@ def run_probe(script: str, args: list, cwd: Path, nproc: int) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-MIRROR_MISSING = (
-    f"no data mirror at {MIRROR}: build one with `make mirror DIR=<folder>` and set PIPELINE_DATA_MIRROR=<folder>"
-    if os.environ.get("PIPELINE_DATA_MIRROR")
-    else "no data mirror (PIPELINE_DATA_MIRROR is unset): build one with `make mirror DIR=<folder>` and set "
-    "PIPELINE_DATA_MIRROR=<folder>"
-)
-
-
 @pytest.fixture(scope="session")
 def mirror() -> Path:
-    if not (MIRROR / "tinyshakespeare" / "input.txt").is_file():
-        pytest.skip(MIRROR_MISSING)
-    return MIRROR
+    return require_mirror()
 
 
 def collector_thresholds() -> tuple[int, int, int]:

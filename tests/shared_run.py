@@ -32,10 +32,25 @@ ROOT = Path(__file__).resolve().parent.parent
 _mirror = os.environ.get("PIPELINE_DATA_MIRROR")
 # Unset, a sibling mirror folder of the checkout if one is kept there (as the Makefile and .ci/run do).
 MIRROR = Path(_mirror) if _mirror else ROOT.parent / "shared" / "data"
+MIRROR_MISSING = (
+    f"no data mirror at {MIRROR}: build one with `make mirror DIR=<folder>` and set PIPELINE_DATA_MIRROR=<folder>"
+    if _mirror
+    else "no data mirror (PIPELINE_DATA_MIRROR is unset): build one with `make mirror DIR=<folder>` and set "
+    "PIPELINE_DATA_MIRROR=<folder>"
+)
 BIN = Path(sys.executable).parent
 CACHE = ROOT / ".cache" / "ci-run"
 # A fixed date: clones of the same tree get the same commit id, which stages record in their outputs.
 FIXED_DATE = "2000-01-01T00:00:00Z"
+
+
+def require_mirror() -> Path:
+    """The data mirror; without one, the calling test is skipped with the one line that says how to make it."""
+    if not (MIRROR / "tinyshakespeare" / "input.txt").is_file():
+        import pytest
+
+        pytest.skip(MIRROR_MISSING)
+    return MIRROR
 
 
 def env_for(cwd: Path, **extra) -> dict:
@@ -178,9 +193,11 @@ def _make(entry: Path, parts: list[str]) -> None:
 
 def shared_run() -> Path:
     """The clone in which the ci pipeline ran for this tree; made by the first caller (any process),
-    waited for by the others. Fails if a test wrote into it."""
+    waited for by the others. Fails if a test wrote into it; skips the test where there is no data mirror
+    (the run reads it)."""
     from filelock import FileLock
 
+    require_mirror()
     CACHE.mkdir(parents=True, exist_ok=True)
     parts = key_parts()
     entry = CACHE / tree_key(parts=parts)

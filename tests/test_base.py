@@ -1,8 +1,9 @@
 """A base model other than the pipeline's own pretrain: a hub model at a pinned revision, read offline from a
 local Hugging Face cache (HF_HOME, HF_HUB_OFFLINE=1) laid out as the hub lays out a download, resolved and
 refused as stages/common/hub.py says; the DAG that runs it (the base stage in, pretrain out, tokenize with its
-tokenizer); and on a copy of the shared ci run, QLoRA on it under 2 processes, its context extended and its
-perplexity evaluated, with no pretrain run, and a revision change re-running exactly the stages that read it."""
+tokenizer); and on a copy of the shared ci run, the whole DAG on it with no pretrain run: QLoRA under 2
+processes, its context extended, its evaluations and the report, which names it and compares no perplexity
+with the own pretrain's record; and a revision change re-running exactly the stages that read it."""
 
 from __future__ import annotations
 
@@ -149,6 +150,9 @@ def test_the_dag_runs_the_base_stage_and_no_pretrain_while_base_model_is_set(tmp
         assert "--base data/base/model" in other[name].args and "data/base" in other[name].deps
         assert "--base data/pretrain/model" in own[name].args and "data/pretrain" in own[name].deps
     assert other["eval_perplexity"].foreach == other["eval_harness"].foreach == ("base", "extend_context")
+    # the report's regression record is keyed by the base model's params: pretrain's, or base's
+    assert "pretrain" in own["report"].params and "base.model" in own["report"].params
+    assert "base" in other["report"].params and "pretrain" not in other["report"].params
     assert not [d for st in other.values() for d in st.deps if d.startswith("data/pretrain")]
     # every preset that names a hub base pins it to a commit (a reproduction never follows a moving branch)
     for preset in sorted((ROOT / "pipelines/presets").glob("*.yaml")):
@@ -160,8 +164,9 @@ def test_the_dag_runs_the_base_stage_and_no_pretrain_while_base_model_is_set(tmp
 @pytest.mark.e2e
 def test_qlora_extension_and_evaluation_of_a_hub_model_run_without_pretrain(tmp_path, mirror):
     """The ci run's copy with base.model a hub repository in a local cache, read offline: snakemake -n plans
-    no pretrain; the base, tokenize (with the base's tokenizer), QLoRA under 2 processes, the extension and
-    the evaluation run and record the commit; a new revision re-runs exactly the stages that read it."""
+    no pretrain; the whole DAG runs: the base, tokenize (with the base's tokenizer), QLoRA under 2 processes,
+    the extension and the evaluations record the commit, the report names the base model and finds no record
+    for it, and every link of pipelines.verify holds; a new revision re-runs exactly the stages that read it."""
     clone = copy_of_run(tmp_path / "clone")
     home = tmp_path / "hf"
     commit = hub_snapshot(home, REPO, clone / "data/pretrain/model")
@@ -181,13 +186,13 @@ def test_qlora_extension_and_evaluation_of_a_hub_model_run_without_pretrain(tmp_
     assert (clone / "data/tokenize/meta.json").read_bytes() == before
     sh("python -m pipelines.dag write", clone)
     targets = "data/finetune_qlora/nf4 data/extend_context data/eval_perplexity/base"
-    plan = sh(f"snakemake -n {targets} --quiet rules", clone, **offline)
+    plan = sh("snakemake -n --quiet rules", clone, **offline)
     assert not re.search(r"\bpretrain\b", plan), plan
-    for rule in ("base", "tokenize", "finetune_qlora", "extend_context", "eval_perplexity"):
+    for rule in ("base", "tokenize", "finetune_qlora", "extend_context", "eval_perplexity", "eval_harness", "report"):
         assert re.search(rf"^\s*{rule}\s+\d", plan, re.M), (rule, plan)
-    assert not re.search(r"^\s*prepare_data\s+\d", plan, re.M), plan
+    assert not re.search(r"^\s*(prepare_data|train_gnn)\s+\d", plan, re.M), plan
 
-    sh(f"snakemake --cores 2 {targets}", clone, timeout=1500, **offline)
+    sh("snakemake --profile pipelines/profiles/local --cores 2", clone, timeout=1500, **offline)
     meta = json.loads((clone / "data/base/meta.json").read_text())
     assert (meta["base_model"], meta["base_revision"], meta["base_commit"]) == (REPO, commit, commit)
     # the base's tokenizer is the ci run's own: its shards are the ci run's, byte for byte
@@ -207,9 +212,20 @@ def test_qlora_extension_and_evaluation_of_a_hub_model_run_without_pretrain(tmp_
         f"QLoRA on {REPO}@{commit[:12]} under 2 processes: train loss by step {losses}, eval loss "
         f"{figures['eval_loss']:.4f} (perplexity {math.exp(figures['eval_loss']):.1f}); the base's perplexity: {ppl}"
     )
-    assert "Data and pipelines are up to date" in sh(
-        "dvc status base tokenize finetune_qlora@nf4 extend_context eval_perplexity@base", clone, **offline
-    )
+    assert "Data and pipelines are up to date" in sh("dvc status", clone, **offline)
+    results = json.loads((clone / "reports/results.json").read_text())
+    assert results["base"] == {"model": REPO, "revision": commit, "commit": commit}
+    assert f"Base model: `{REPO}` at commit `{commit}`" in (clone / "reports/results.md").read_text()
+    labels = [*results["stage_metrics"], *(row["stage"] for row in results["rows"])]
+    assert {"eval_perplexity/base", "eval_harness/base"} <= set(labels) and not [x for x in labels if "pretrain" in x]
+    # the ci record is the own pretrain's: nothing to compare with, and the nearest record says why
+    regression = results["regression"]
+    assert regression["rows"] == [] and regression["nearest"]["preset"] == "ci", regression
+    assert regression["nearest"]["differences"][0] == "base: 2 setting(s) (recorded: (absent))"
+    assert regression["nearest"]["differences"][1].startswith("pretrain: (absent) (recorded: ")
+    verified = sh("python -m pipelines.verify", clone, **offline)
+    assert verified.rstrip().endswith("every link holds"), verified
+    assert "note    causes      stage pretrain: in dvc.lock but not in the DAG of this params.yaml" in verified
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{clone / 'mlflow.db'}")

@@ -1,6 +1,7 @@
 """python -m pipelines.mirror against a local HTTP server on 127.0.0.1 serving small fake sources (their
 sha256 put in place of the real ones): the download, a damaged file refused, a cut download resumed with
-Range, a server that ignores Range, archives; and the real source table's pins."""
+Range, a server that ignores Range, archives, a served mirror folder (members without their archive); and
+the real source table's pins."""
 
 from __future__ import annotations
 
@@ -211,6 +212,25 @@ def test_an_unknown_url_fails_with_the_status_and_what_to_check(fake, tmp_path, 
     expected = r"mirror: error: corpus/part1.txt: download from http://\S+ failed \(HTTP Error 404.*\); check "
     expected += mirror.BASE_URL_ENV
     assert re.fullmatch(expected, line), line
+
+
+def test_a_served_mirror_folder_without_the_archives_gives_their_members_as_files(fake, tmp_path, capsys):
+    server, expected = fake
+    for archive in ("set-v1.zip", "pkg-1.0.tar.gz"):
+        del server.files[archive]
+    server.files.update({path: expected[path] for path in ("set/a.raw", "set/b.raw")})  # pkg/c.bin: on neither
+    assert mirror.main([str(tmp_path / "m")]) == 1
+    out, err = capsys.readouterr()
+    assert "set/a.raw  50,000 bytes" in out and "ok (downloaded; the server has no set-v1.zip)" in out, out
+    (line, summary) = err.splitlines()[-2:]
+    assert re.fullmatch(
+        r"mirror: error: pkg/c.bin: download from http://\S+/pkg/c.bin failed \(HTTP Error 404.*\); the server has "
+        rf"neither it nor pkg-1.0.tar.gz: check {mirror.BASE_URL_ENV}",
+        line,
+    ), line
+    assert summary.startswith("mirror: 1 of 7 files are not in place")
+    assert files_under(tmp_path / "m") == {k: v for k, v in expected.items() if k != "pkg/c.bin"}
+    assert ("set-v1.zip", None) in server.requests and ("set/a.raw", None) in server.requests
 
 
 def test_every_known_file_has_a_pinned_public_source():

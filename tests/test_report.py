@@ -289,3 +289,48 @@ def test_perplexities_regress_against_the_record_of_the_same_params(tree, monkey
     (tree / "params.yaml").write_text((tree / "params.yaml").read_text().replace("steps: 11", "steps: 10"))
     with pytest.raises(config.UserError, match="pretrain at 128 tokens"):
         report.main(["--output", "reports", "--inputs", *inputs, "strict=true"])
+
+
+def test_with_a_hub_base_the_record_follows_the_base_model_not_pretrain(tree, monkeypatch):
+    """base.model set: the fingerprint hashes the base section in pretrain's place (an own pretrain's record
+    keeps its fingerprint), the record holds the base DAG's perplexities only (not those an own run left in
+    data/eval_perplexity/pretrain), and the report names the base model."""
+    from pipelines import record
+
+    own = "report:\n  strict: false\n  recorded: recorded.yaml\n  regression_tolerance: 0.02\npretrain:\n  steps: 10\n"
+    (tree / "params.yaml").write_text(own)
+    own_print = report.params_fingerprint(config.read_yaml(tree / "params.yaml"))
+    assert report.params_fingerprint({**config.read_yaml(tree / "params.yaml"), "base": {"model": ""}}) == own_print
+    hub = own + "base:\n  model: tiny-org/tiny-llama\n  revision: " + "a" * 40 + "\n"
+    (tree / "params.yaml").write_text(hub)
+    params = config.read_yaml(tree / "params.yaml")
+    hub_print = report.params_fingerprint(params)
+    assert hub_print != own_print
+    assert report.params_fingerprint({**params, "pretrain": {"steps": 11}}) == hub_print
+    assert report.params_fingerprint({**params, "base": {**params["base"], "revision": "b" * 40}}) != hub_print
+
+    eval_metrics(tree, "pretrain", {"pretrain": {64: 100.0}})  # an own run's, left behind
+    eval_metrics(tree, "base", {"base": {64: 90.0}})
+    base = stage_folder(tree, "base")
+    (base / "meta.json").write_text(
+        json.dumps({"base_model": "tiny-org/tiny-llama", "base_revision": "main", "base_commit": "c" * 40})
+    )
+    monkeypatch.setattr(record.provenance, "git_commit", lambda: "c0ffee" * 7)
+    entry = record.record(tree / "params.yaml", tree / "data", tree / "recorded.yaml")
+    assert entry["params"] == hub_print and entry["perplexity"] == {"eval_perplexity/base": {"base": {64: 90.0}}}
+    doc = report.main(["--output", "reports", "--inputs", "data/base", "data/eval_perplexity/base"])
+    rows = [(r["result"], r["pass"]) for r in doc["regression"]["rows"]]
+    assert rows == [("token perplexity, base at 64 tokens", True)]
+    md = (tree / "reports/results.md").read_text()
+    assert f"Base model: `tiny-org/tiny-llama` at commit `{'c' * 40}` (revision `main`)" in md
+
+    # against the own pretrain's record only: one line for each section that one side lacks
+    (tree / "recorded.yaml").unlink()
+    (tree / "params.yaml").write_text(own)
+    record.record(tree / "params.yaml", tree / "data", tree / "recorded.yaml")
+    (tree / "params.yaml").write_text(hub)
+    doc = report.main(["--output", "reports", "--inputs", "data/base", "data/eval_perplexity/base"])
+    assert doc["regression"]["rows"] == [] and doc["regression"]["nearest"]["differences"] == [
+        "base: 2 setting(s) (recorded: (absent))",
+        "pretrain: (absent) (recorded: 1 setting(s))",
+    ]
