@@ -84,9 +84,8 @@ def image(path: Path) -> str:
 
 def render(results: dict, root: Path) -> str:
     fields = results["row_fields"]
-    parts = [
-        "<h1>Pipeline results</h1>",
-        "<h2>Reproduced results</h2>",
+    parts = ["<h1>Pipeline results</h1>", *base_parts(results.get("base")), "<h2>Reproduced results</h2>"]
+    parts += [
         table(fields, [row_values(row, fields) for row in results["rows"]])
         if results["rows"]
         else "<p>No stage reproduced a published result in this run.</p>",
@@ -105,6 +104,17 @@ def render(results: dict, root: Path) -> str:
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>Pipeline results</title>'
         f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>\n"
     )
+
+
+def base_parts(base: dict | None) -> list[str]:
+    """The base model line of a run on another model than the pipeline's own pretrain (none otherwise)."""
+    if not base:
+        return []
+    at = f" at commit <code>{html.escape(str(base['commit']))}</code>" if base.get("commit") else ""
+    return [
+        f"<p>Base model: <code>{html.escape(str(base['model']))}</code>{at}, copied by the base stage "
+        "(data/base); no pretrain.</p>"
+    ]
 
 
 def measured_parts(results: dict, root: Path) -> list[str]:

@@ -334,3 +334,13 @@ def test_with_a_hub_base_the_record_follows_the_base_model_not_pretrain(tree, mo
         "base: 2 setting(s) (recorded: (absent))",
         "pretrain: (absent) (recorded: 1 setting(s))",
     ]
+
+
+def test_the_html_page_names_a_base_model_and_only_then(tmp_path):
+    from pipelines import html_report
+
+    results = {"row_fields": ["claim"], "rows": [], "stage_metrics": {}, "plots": []}
+    assert "Base model" not in html_report.render(results, tmp_path)
+    base = {"model": "tiny-org/tiny-llama", "revision": "main", "commit": "f3f3099717aa"}
+    page = html_report.render({**results, "base": base}, tmp_path)
+    assert "Base model: <code>tiny-org/tiny-llama</code> at commit <code>f3f3099717aa</code>" in page
