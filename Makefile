@@ -23,13 +23,17 @@ NOT_PYTHON_311 = make: .venv needs Python 3.11; $(if $(PYTHON),PYTHON=$(PYTHON) 
 # after another: half of the install on 2 cores). torch ships one test helper in Python 3.12 syntax, which
 # pip's own compile passes over as well. pipelines/gc-threshold.pth: the garbage collector's thresholds of
 # every Python in .venv (that file says why).
+# The lock is installed with hashes required: every file pip fetches must have a sha256 the lock records
+# (pip would check them anyway, the lock having hashes; --require-hashes also refuses a lock without them).
+# torch, installed the line before (the CPU build here has no hash in the lock), satisfies the lock's pin,
+# so pip keeps it and checks nothing of it (pipelines/lock.py).
 $(STAMP): requirements.lock pyproject.toml pipelines/gc-threshold.pth
 	@test -x $(VENV)/bin/python || [[ "$$($(PYTHON) --version 2>&1)" == "Python 3.11."* ]] || \
 	  { echo "$(NOT_PYTHON_311)" >&2; exit 1; }
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip==24.3.1
 	$(VENV)/bin/pip install --quiet --no-compile --retries 1 torch==2.13.0 $(TORCH_INDEX)
-	$(VENV)/bin/pip install --quiet --no-compile -r requirements.lock
+	$(VENV)/bin/pip install --quiet --no-compile --require-hashes -r requirements.lock
 	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
 	purelib="$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" && \
 	  $(VENV)/bin/python -m compileall -qq -j 0 -x 'torch/testing/_internal/py312_intrinsics\.py' "$$purelib" && \
@@ -129,11 +133,11 @@ push: $(STAMP)
 pull: $(STAMP)
 	python -m pipelines.share pull
 
-# Re-resolve requirements.in and pin the result (torch stays at the version the Makefile installs).
+# Re-resolve requirements.in and pin the result (torch stays at the version the Makefile installs), each pin
+# with the sha256 of every file PyPI serves for its version (uv, in pipelines/lock.py; a few seconds).
 lock: $(STAMP)
 	$(VENV)/bin/pip install --quiet -r requirements.in
-	{ sed -n '1,2p' requirements.lock; $(VENV)/bin/pip freeze --exclude-editable | sed 's/^torch==\([0-9.]*\)+.*/torch==\1/'; } > requirements.lock.new
-	mv requirements.lock.new requirements.lock
+	$(VENV)/bin/python -m pipelines.lock
 	$(VENV)/bin/python -m pipelines.dag write  # the families' package lists follow the lock
 
 clean:

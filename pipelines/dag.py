@@ -37,6 +37,7 @@ from pathlib import Path
 
 import yaml
 
+from pipelines import lock
 from stages.common import environment
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -302,9 +303,9 @@ def normalized(name: str) -> str:
 
 
 def family_packages(stages: dict[str, Stage]) -> dict[str, str]:
-    """{family: the text of pipelines/packages/<family>.txt}: the lines of requirements.lock naming a
-    distribution that the family's stage modules import (any depth) or that one of those requires, as
-    installed here (importlib.metadata; the environment `make venv` builds from the lock)."""
+    """{family: the text of pipelines/packages/<family>.txt}: the pins of requirements.lock (without their
+    hashes) naming a distribution that the family's stage modules import (any depth) or that one of those
+    requires, as installed here (importlib.metadata; the environment `make venv` builds from the lock)."""
     import importlib.metadata
 
     from packaging.requirements import Requirement
@@ -313,10 +314,7 @@ def family_packages(stages: dict[str, Stage]) -> dict[str, str]:
 
     graph = provenance.import_graph(True)
     providers = importlib.metadata.packages_distributions()
-    pinned = {}
-    for line in LOCK.read_text().splitlines():
-        if line and not line.startswith("#"):
-            pinned[normalized(line.split("==")[0])] = line
+    pinned = {normalized(pin.name): f"{pin.name}=={pin.version}" for pin in lock.parse(LOCK.read_text())}
     texts = {}
     for fam in sorted({family(st.resources) for st in stages.values()}):
         imported = set()

@@ -16,15 +16,11 @@ import pytest
 import yaml
 from conftest import collector_thresholds
 
-from pipelines import cluster, launch, verify
+from pipelines import cluster, launch, lock, verify
 from pipelines.dag import Stage, load_table
 
 ROOT = Path(__file__).resolve().parent.parent
-LOCK = dict(
-    line.split("==", 1)
-    for line in (ROOT / "requirements.lock").read_text().splitlines()
-    if "==" in line and not line.startswith("#")
-)
+LOCK = {pin.name: pin.version for pin in lock.parse((ROOT / "requirements.lock").read_text())}
 
 
 def test_profiles_load_and_name_their_executor():

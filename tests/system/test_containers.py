@@ -3,8 +3,8 @@ and runs a stage inside it.
 
 The build uses no registry and no network: the base image is a Debian made here by debootstrap and
 `podman import` (the Dockerfile's BASE_IMAGE argument replaces the pinned python image), and pip installs
-requirements.lock from wheels downloaded beforehand into the build context (PIP_OPTIONS). Podman runs as
-root with the vfs storage driver and runc in a private storage folder, removed afterwards.
+requirements.lock, hashes checked, from wheels downloaded beforehand into the build context (PIP_OPTIONS).
+Podman runs as root with the vfs storage driver and runc in a private storage folder, removed afterwards.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import ci_params, collector_thresholds
 from workspace import BIN, MIRROR, ROOT, env_for, need_commands, need_root, output_hashes
+
+from pipelines import lock
 
 # Image builds and pipeline runs outlast the suite's per-test limit on 2 shared cores.
 pytestmark = [pytest.mark.system, pytest.mark.timeout(3600)]
@@ -134,24 +136,23 @@ def lm_image(podman, base_image, tmp_path_factory) -> str:
         if src.is_file() and not name.startswith(b"tests/"):
             (context / name.decode()).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, context / name.decode())
-    # The pinned packages as wheels, through the ordinary index (and any find-links pip is configured with).
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--quiet",
-            "-d",
-            str(context / "wheels"),
-            "-r",
-            str(ROOT / "requirements.lock"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert proc.returncode == 0, f"pip download of requirements.lock failed:\n{proc.stderr[-4000:]}"
+    # The pinned packages as wheels, through the ordinary index (and any find-links pip is configured with):
+    # torch by itself, as the Dockerfile installs it (a CPU build has none of the sha256 the lock records for
+    # PyPI's), with what it requires at the lock's versions; then the lock's other pins, each file checked
+    # against its sha256 (--no-deps: the lock holds every requirement, torch the one left out).
+    pins = lock.parse((ROOT / "requirements.lock").read_text())
+    (torch,) = [pin for pin in pins if pin.name == "torch"]
+    folder = tmp_path_factory.mktemp("lock")
+    constraints, others = folder / "constraints.txt", folder / "others.lock"
+    constraints.write_text("".join(f"{pin.name}=={pin.version}\n" for pin in pins if pin != torch))
+    others.write_text(lock.render([pin for pin in pins if pin != torch]))
+    download = [sys.executable, "-m", "pip", "download", "--quiet", "-d", str(context / "wheels")]
+    for args in (
+        [f"torch=={torch.version}", "-c", str(constraints)],
+        ["--no-deps", "--require-hashes", "-r", str(others)],
+    ):
+        proc = subprocess.run(download + args, capture_output=True, text=True, timeout=1800)
+        assert proc.returncode == 0, f"pip download {' '.join(args)} failed:\n{proc.stderr[-4000:]}"
     # --layers=false: one commit at the end (with vfs every intermediate layer is a full copy of the image).
     podman(
         "build",
