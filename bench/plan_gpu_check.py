@@ -160,7 +160,7 @@ def show(row: dict, mfu: float, peak_tflops: float) -> str:
         f"workspaces {row['workspace_mib']:,.0f}{own})  ratio {row['ratio']:.3f}\n"
         f"{'':20s} tokens/s planned {row['planned_tokens_per_s']:,.0f} (MFU {mfu:g} of {peak_tflops:g} TFLOP/s), "
         f"measured {row['measured_tokens_per_s']:,.0f}: ratio {row['time_ratio']:.3f}; they agree at MFU "
-        f"{row['mfu_at_measured']:.4f}"
+        f"{row['mfu_at_measured']:.3g}"
     )
 
 
