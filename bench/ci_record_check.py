@@ -2,7 +2,7 @@
 from a CPU run (pipelines/recorded.yaml), in fp32 and in bf16.
 
     python bench/ci_record_check.py [--precisions fp32 bf16] [--tokenized .gpu/ci] [--work DIR] [--json FILE]
-    python bench/ci_record_check.py --pack .gpu/ci     the ci params and tokenize output, made on this CPU
+    python bench/ci_record_check.py --pack .gpu/ci     the ci params, tokenize output and instruction records
 
 The params are params.yaml with the ci preset applied (as the tests and the record make them); the record
 is the one of their fingerprint (stages.report.params_fingerprint), and each perplexity is compared by
@@ -72,12 +72,14 @@ def run_stage(module: str, args: list[str], cwd: Path) -> None:
 
 
 def make_tokenized(dest: Path, params: Path) -> Path:
-    """prepare_data and tokenize (one process each) on `params`, into dest/tokenize; dest/params.yaml."""
+    """prepare_data and tokenize (one process each) on `params`, into dest/tokenize; dest/params.yaml, and
+    prepare_data's instruction records, dest/instructions.jsonl (bench/plan_gpu_check.py fine-tunes on them)."""
     dest.mkdir(parents=True, exist_ok=True)
     if params != dest / "params.yaml":
         shutil.copy(params, dest / "params.yaml")
     with tempfile.TemporaryDirectory() as tmp:
         run_stage("prepare_data", ["--params", str(params), "--output", "prepare_data"], Path(tmp))
+        shutil.copy(Path(tmp) / "prepare_data/instructions.jsonl", dest / "instructions.jsonl")
         shutil.rmtree(dest / "tokenize", ignore_errors=True)
         tokenize = ["--params", str(params), "--input", "prepare_data", "--output", str(dest / "tokenize")]
         run_stage("tokenize", [*tokenize, "--measured", "tokenize.measured.json"], Path(tmp))

@@ -4,7 +4,8 @@
 #   bench/gpu_check.sh --pack          here, with network access: the wheels a bare GPU machine lacks
 #                                      (bitsandbytes, ruamel.yaml, grimp, at requirements.lock's versions, for
 #                                      Python 3.12), the raw data the tests read, and the ci preset's
-#                                      tokenize output made with this machine's pinned packages, into .gpu/
+#                                      tokenize output and instruction records made with this machine's
+#                                      pinned packages, into .gpu/
 #   bench/gpu_check.sh OUTDIR          on the GPU machine, from the repository root, with .gpu/ in it
 #   bench/gpu_check.sh --dry OUTDIR    the same code at tiny sizes on this machine's CPU (a minute or two)
 #
@@ -18,6 +19,8 @@
 #   qlora.log     bench/qlora_memory.py: NF4 + LoRA vs bf16 LoRA on a ~1B Llama, peak CUDA memory
 #   ci_record.log bench/ci_record_check.py: the ci preset's pretrain and its evaluation, deterministic, in
 #                 fp32 (TF32 off) and bf16, each perplexity against the CPU-recorded one (pipelines/recorded.yaml)
+#   plan.log      bench/plan_gpu_check.py: pretrain and finetune_qlora (nf4, none) on a 95M-parameter Llama, the
+#                 planner's peak (less its runtime reserve) against the CUDA peak, its tokens/s at MFU 0.4 beside
 #   env.txt       the machine, driver and versions
 #   figures.json  every figure, each step's exit code and seconds, and the goals met or missed
 # The benchmarks' stages run with PIPELINE_TRACKING=off, without MLflow (tests/conftest.py's `tokenized`
@@ -139,6 +142,15 @@ for precision in ("fp32", "bf16"):
     if found:
         rel = found["max_relative_difference"]
         goals[f"ci pretrain {precision}: perplexities within the CPU record's tolerance (largest relative difference)"] = [rel, found["pass"]]
+reported = {}  # figures without a goal
+plan = figures.get("plan", {})
+for row in plan.get("rows", []):
+    if dry:  # (a CPU's peak RSS against a GPU plan: the code path, not a comparison)
+        reported[f"planner's peak / measured peak RSS, dry ({row['config']})"] = round(row["ratio"], 3)
+    else:
+        goals[f"planner's peak within 15% of the measured CUDA peak ({row['config']})"] = [round(row["ratio"], 3), abs(row["ratio"] - 1) <= 0.15]
+    label = f"planner's tokens/s at MFU {plan['mfu']:g} / measured ({row['config']}; equal at MFU {row['mfu_at_measured']:.3g})"
+    reported[label] = round(row["time_ratio"], 3)
 if "qlora" in figures and "peak_cuda_mb" in figures["qlora"]["nf4"]:
     ratio = figures["qlora"]["nf4"]["peak_cuda_mb"] / figures["qlora"]["none"]["peak_cuda_mb"]
     goals["QLoRA peak CUDA memory <= 0.45x bf16 LoRA"] = [round(ratio, 3), ratio <= 0.45]
@@ -148,7 +160,7 @@ ran = steps.get("tests", {}).get("exit") == 0 and "failed" not in text and "erro
 figures["tests"]["passed"] = ran and (dry or "passed" in text)
 label = "every GPU-marked test passes" + (" (dry: they skip without a GPU)" if dry else "")
 goals[label] = [text, figures["tests"]["passed"]]
-figures["steps"], figures["goals"] = steps, goals
+figures["steps"], figures["goals"], figures["reported"] = steps, goals, reported
 out.write_text(json.dumps(figures, indent=1))
 if not final:
     sys.exit(0)
@@ -156,6 +168,8 @@ for name, step in steps.items():
     print(f"{name:<10} exit {step['exit']:>3}  {step['seconds']:>4} s")
 for goal, (value, met) in goals.items():
     print(f"{'met   ' if met else 'MISSED'} {goal}: {value}")
+for label, value in reported.items():
+    print(f"info   {label}: {value}")
 sys.exit(1 if any(s["exit"] != 0 for s in steps.values()) else 0)
 EOF
 summarize() { $PY "$PARTS/summarize.py" "$PARTS" "$OUT/figures.json" "$OUT/tests.log" $DRY "$@"; }
@@ -173,8 +187,8 @@ step() {  # step NAME LOG SECONDS COMMAND...: run it under its limit, appending 
   summarize
 }
 
-: >"$OUT/tests.log" >"$OUT/pretrain.log" >"$OUT/eval.log" >"$OUT/qlora.log" >"$OUT/ci_record.log"
-step tests tests.log 130 $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
+: >"$OUT/tests.log" >"$OUT/pretrain.log" >"$OUT/eval.log" >"$OUT/qlora.log" >"$OUT/ci_record.log" >"$OUT/plan.log"
+step tests tests.log 120 $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
 if [ $DRY -eq 1 ]; then
   step pretrain pretrain.log 300 $PY bench/pretrain_mfu.py --dry --profile "$OUT/profile.txt" --json "$PARTS/pretrain.json"
   tiny=(--tokens 2048 --repeats 1 --hidden 64 --layers 2 --heads 4 --ffn 160 --no-bf16)
@@ -182,12 +196,14 @@ if [ $DRY -eq 1 ]; then
   step eval_fp32 eval.log 150 $PY bench/eval_throughput.py "${tiny[@]}" --precision fp32 --json "$PARTS/eval_fp32.json"
   step qlora qlora.log 240 $PY bench/qlora_memory.py --hidden 64 --layers 2 --json "$PARTS/qlora.json"
   step ci_record ci_record.log 180 $PY bench/ci_record_check.py --json "$PARTS/ci_record.json"
+  step plan plan.log 240 $PY bench/plan_gpu_check.py --dry --json "$PARTS/plan.json"
 else
-  step pretrain pretrain.log 150 $PY bench/pretrain_mfu.py --profile "$OUT/profile.txt" --json "$PARTS/pretrain.json"
-  step eval eval.log 40 $PY bench/eval_throughput.py --tokens 65536 --json "$PARTS/eval.json"
-  step eval_fp32 eval.log 40 $PY bench/eval_throughput.py --tokens 65536 --precision fp32 --json "$PARTS/eval_fp32.json"
-  step qlora qlora.log 120 $PY bench/qlora_memory.py --hidden 2048 --layers 16 --batch 4 --seq 512 --steps 3 \
+  step pretrain pretrain.log 130 $PY bench/pretrain_mfu.py --profile "$OUT/profile.txt" --json "$PARTS/pretrain.json"
+  step eval eval.log 35 $PY bench/eval_throughput.py --tokens 65536 --json "$PARTS/eval.json"
+  step eval_fp32 eval.log 35 $PY bench/eval_throughput.py --tokens 65536 --precision fp32 --json "$PARTS/eval_fp32.json"
+  step qlora qlora.log 105 $PY bench/qlora_memory.py --hidden 2048 --layers 16 --batch 4 --seq 512 --steps 3 \
     --json "$PARTS/qlora.json"
-  step ci_record ci_record.log 60 $PY bench/ci_record_check.py --json "$PARTS/ci_record.json"
+  step ci_record ci_record.log 55 $PY bench/ci_record_check.py --json "$PARTS/ci_record.json"
+  step plan plan.log 60 $PY bench/plan_gpu_check.py --json "$PARTS/plan.json"
 fi
 summarize final

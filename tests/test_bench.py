@@ -15,7 +15,7 @@ from stages.common.tracking import store
 
 
 @pytest.mark.long
-@pytest.mark.timeout(1400)
+@pytest.mark.timeout(1550)
 def test_gpu_check_dry_runs_every_step_and_writes_its_figures(tmp_path, mirror):
     out = tmp_path / "out"
     env = {**stage_env(tmp_path, **TRACKED), "PYTHON": sys.executable}
@@ -26,12 +26,12 @@ def test_gpu_check_dry_runs_every_step_and_writes_its_figures(tmp_path, mirror):
         env=env,
         capture_output=True,
         text=True,
-        timeout=1300,  # (the dry steps' limits add up to 1150 s: room for a slow or shared machine)
+        timeout=1450,  # (the dry steps' limits add up to 1320 s: room for a slow or shared machine)
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     figures = json.loads((out / "figures.json").read_text())
     assert {name: step["exit"] for name, step in figures["steps"].items()} == dict.fromkeys(
-        ("tests", "pretrain", "eval", "eval_fp32", "qlora", "ci_record"), 0
+        ("tests", "pretrain", "eval", "eval_fp32", "qlora", "ci_record", "plan"), 0
     )
     pretrain = figures["pretrain"]
     assert pretrain["compile"] and pretrain["tokens_per_s"] > 0 and 0 < pretrain["mfu_vs_matmul"] < 1.5
@@ -43,11 +43,19 @@ def test_gpu_check_dry_runs_every_step_and_writes_its_figures(tmp_path, mirror):
     record = figures["ci_record"]
     assert record["fp32"]["pass"] and record["fp32"]["max_relative_difference"] < 1e-4, record["fp32"]
     assert record["bf16"]["pass"] and len(record["bf16"]["rows"]) == len(record["fp32"]["rows"]) == 4
+    # the planner against each stage run: a planned and a measured peak and tokens/s, reported but no goal in dry
+    plan = figures["plan"]
+    assert plan["dry"] and [row["config"] for row in plan["rows"]] == [
+        "pretrain bf16", "finetune_qlora nf4", "finetune_qlora none"
+    ]  # fmt: skip
+    for row in plan["rows"]:
+        assert row["planned_mib"] > 0 and row["measured_peak_mib"] > 0 and row["measured_tokens_per_s"] > 0, row
+    assert not any("planner" in goal for goal in figures["goals"]) and len(figures["reported"]) == 6
     # without a GPU the GPU tests skip, and the check says so rather than claiming they passed on one
     assert "skipped" in figures["tests"]["summary"] and any("dry" in goal for goal in figures["goals"])
     # the stages ran without MLflow: no store appeared, whatever the caller's setting
     assert not list(tmp_path.rglob("mlflow.db"))
-    logs = {"tests.log", "pretrain.log", "profile.txt", "eval.log", "qlora.log", "ci_record.log"}
+    logs = {"tests.log", "pretrain.log", "profile.txt", "eval.log", "qlora.log", "ci_record.log", "plan.log"}
     assert {"env.txt", *logs, "figures.json"} == {p.name for p in out.iterdir()}
 
 
