@@ -160,7 +160,8 @@ def test_every_stage_of_the_ci_run_has_its_time_budget_by_phase(tmp_path):
         assert seconds["start-up"] > 0 and seconds["bookkeeping"] > 0 and record["committed"] > 0, name
         assert sum(seconds.values()) == pytest.approx(record["ended"] - record["started"], abs=0.05), name
     pretrain = records["pretrain"]["seconds"]
-    assert all(pretrain[p] > 0 for p in ("data", "compute", "evaluation", "checkpoint", "tracking", "outputs"))
+    # (its batches are microseconds each at the ci preset's size: data rounds to 0.0 s there)
+    assert all(pretrain[p] > 0 for p in ("compute", "evaluation", "checkpoint", "tracking", "outputs")), pretrain
     for name in ("eval_perplexity@pretrain", "eval_harness@extend_context"):
         assert records[name]["seconds"]["evaluation"] > 0 and records[name]["seconds"]["checkpoint"] == 0, name
     assert records["pretrain"]["processes"] == 2
