@@ -299,7 +299,7 @@ def resumed_step(clone: Path) -> int:
 def test_stopped_pipeline_resumes_from_the_stage_checkpoint(clone):
     """The pipeline stopped mid-pretrain, by Ctrl-C and by a lost machine (every process killed): the
     re-run, with the profile `make run` uses, finishes pretrain from its newest checkpoint."""
-    assert "\tsnakemake --profile pipelines/profiles/local --cores all\n" in (ROOT / "Makefile").read_text()
+    assert "snakemake --profile pipelines/profiles/local --cores all ||" in (ROOT / "Makefile").read_text()
     run = "snakemake --profile pipelines/profiles/local --cores 2 pretrain"
 
     # Ctrl-C: the terminal signals the foreground process group; pretrain saves a checkpoint and exits,

@@ -64,7 +64,10 @@ def test_html_report_of_a_pipeline_run(tmp_path_factory, mirror):
     # then what the stages measured (measured/report.json): its rows, then each stage's figures
     measured = json.loads((run / results["measured"]).read_text())
     assert measured["rows"] and measured["stages"]
-    assert len(page.tables) == 1 + len(results["stage_metrics"]) + 1 + len(measured["stages"])
+    # (and last, where each stage's wall time went: measured/time/, pipelines.timebudget)
+    assert len(page.tables) == 1 + len(results["stage_metrics"]) + 1 + len(measured["stages"]) + 1
+    header, *rows = page.tables[-1]
+    assert header[0] == "stage" and "pretrain" in [r[0] for r in rows] and rows[-1][0] == "share"
     pretrain = page.tables[1 + list(results["stage_metrics"]).index("pretrain")]
     assert dict(pretrain[1:])["final_val_loss"] and "tokens_per_s" not in dict(pretrain[1:])
     header, *rows = page.tables[1 + len(results["stage_metrics"])]
