@@ -2,8 +2,8 @@
 
 Trains one model (pretrain's Llama architecture, `model` in params) from the same seed for `train.steps`
 steps at each length in `contexts`, once per entry of `techniques` (overrides of the `train` section:
-the optimizer, activation checkpointing, precision, ... alone and combined), each run in a fresh
-process so that its peak memory is its own. Per run:
+the optimizer, activation checkpointing, precision, ... alone and combined), each run in a process of
+its own so that its peak memory is its own (forked from a server that imported the libraries once). Per run:
 
     peak_mb             the process's peak resident memory (VmHWM; on a GPU the allocator's peak)
     activation_mb       the part of the peak that is activations: peak minus the memory held before
@@ -45,14 +45,13 @@ and its plot (measured/memory_study.png): peak memory and its activation part pe
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import ctypes
 import dataclasses
 import importlib.util
-import json
+import io
 import os
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,20 +142,51 @@ def measure(spec: dict) -> dict:
     }
 
 
-def run_fresh(spec: dict) -> dict:
-    """measure() in a new Python process: its peak memory belongs to this run alone."""
-    code = "import json, sys; from stages import memory_study as m; print(json.dumps(m.measure(json.load(sys.stdin))))"
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        env={**os.environ, **MALLOC_ENV, **THREAD_ENV},
-        preexec_fn=contract.die_with_parent,  # a killed study leaves no run behind
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"memory_study: the run {spec['name']} at {spec['context']} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def measure_quietly(spec: dict) -> dict:
+    """measure(), its training loop's lines and progress bar kept out of the stage's log (the study prints
+    one line per run)."""
+    contract.die_with_parent()  # a killed study leaves no run behind
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return measure(spec)
+
+
+@contextlib.contextmanager
+def fresh_processes():
+    """A pool whose every task runs in a process of its own, forked from a server process that imported
+    this module and its libraries once (multiprocessing's forkserver): a run's peak memory is its own, as
+    in a new interpreter (the fork's high-water mark starts at the server's resident size, which a new
+    interpreter reaches with the same imports), without paying the imports for each run. The server
+    starts with MALLOC_ENV and THREAD_ENV in its environment, as each run's process must. (Not this module
+    itself: each process runs the stage's main module afresh, as multiprocessing does.)"""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "bitsandbytes", "stages.pretrain", "stages.common.loop"])
+    saved = {k: os.environ.get(k) for k in (*MALLOC_ENV, *THREAD_ENV)}
+    os.environ.update({**MALLOC_ENV, **THREAD_ENV})
+    try:
+        pool = ctx.Pool(1, maxtasksperchild=1)  # (starts the server, with this environment)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        yield pool
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def run_fresh(pool, spec: dict) -> dict:
+    """measure() in a process of its own (see fresh_processes)."""
+    from stages import memory_study  # (by its module name: run as __main__, this module is another object)
+
+    try:
+        return pool.apply(memory_study.measure_quietly, (spec,))
+    except Exception as e:
+        raise RuntimeError(f"memory_study: the run {spec['name']} at {spec['context']} failed: {e!r}") from e
 
 
 # -------------------------------------------------------------------------------------- the rows
@@ -296,12 +326,12 @@ def write_measured(path: Path, output: Path, cfg: Config, table: dict) -> dict:
 
 def run(cfg: Config, inp: Path, output: Path, measured: Path, rt: runtime.Runtime) -> dict:
     table = {}
-    with stage.tracked(STAGE, cfg, [inp], rt) as (tracker, _):
+    with stage.tracked(STAGE, cfg, [inp], rt) as (tracker, _), fresh_processes() as pool:
         for context in cfg.contexts:
             for name, overrides in cfg.techniques.items():
                 train = technique_config(cfg.train, name, overrides)
                 spec = {"name": name, "input": str(inp), "context": context, "model": dataclasses.asdict(cfg.model)}
-                table[name, context] = run_fresh({**spec, "train": dataclasses.asdict(train)})
+                table[name, context] = run_fresh(pool, {**spec, "train": dataclasses.asdict(train)})
                 figures = ", ".join(f"{k} {v:,.2f}" for k, v in table[name, context].items())
                 print(f"memory_study: {name} at context {context}: {figures}", flush=True)
                 tracker.log_metrics({f"{name}.{k}": v for k, v in table[name, context].items()}, step=context)
