@@ -378,8 +378,16 @@ def plan(params: dict, machine: Machine, stage: str | None = None) -> list[dict]
     """Every training stage's (or one's) plan: spec, budget, limits and the refusal line if any."""
     layout_of = layout_for(machine)
     baselines: dict = {}
+    chosen = specs(params, stage, machine, layout_of)
+    if machine.process_mb is None:  # each stage's interpreter, measured at once (seconds each, independent)
+        from concurrent.futures import ThreadPoolExecutor
+
+        sections = sorted({s.section for s in chosen})
+        with ThreadPoolExecutor(len(sections) or 1) as pool:
+            for section, rss in zip(sections, pool.map(lambda x: process_baseline(x, {}), sections), strict=True):
+                baselines[section] = rss
     rows = []
-    for s in specs(params, stage, machine, layout_of):
+    for s in chosen:
         layout = layout_of(s)
         result = plan_stage(s, machine, layout, baselines)
         res = resources(s.section)
