@@ -6,7 +6,9 @@ Reads the stage's `resources` in pipelines/stages.yaml and runs `python -m stage
 for one process, or `torchrun --standalone --nproc-per-node N -m stages.<stage>` for several (gloo on
 CPU, nccl on GPU; --standalone picks a free port, so parallel stages do not collide). On a machine with
 GPUs, a stage that asks for GPUs gets one process per visible GPU, up to `gpus_per_node`.
-`PIPELINE_NPROC_PER_NODE` overrides the process count for every stage. A training stage whose `train`
+`PIPELINE_NPROC_PER_NODE` overrides the process count of every stage that runs several processes (its
+resources ask for more than one, or for GPUs); a stage of one process by nature (prepare_data, base,
+context_study, memory_study, which measures one process at a time, report) keeps one. A training stage whose `train`
 section the processes cannot run (a parallel layout, tensor_parallel x pipeline_parallel, they cannot
 form; a global batch they cannot share evenly) is refused here before any process starts, with the line
 the stage's own check ends with (stages.common.train_config: TrainConfig.refusal), exit code 2. On GPUs,
@@ -240,7 +242,7 @@ def processes(stage: str, env: dict) -> tuple[int, int]:
     if res.get("gpus_per_node", 0) and visible_gpus():
         nproc = min(int(res["gpus_per_node"]), visible_gpus())
     override = env.get(contract.NPROC_PER_NODE)
-    if override is not None:
+    if override is not None and (int(res["nproc_per_node"]) > 1 or int(res.get("gpus_per_node", 0)) > 0):
         if not (override.strip().isdecimal() and int(override) > 0):
             # (int() would end the launcher in a traceback; 0 or less would start one process, which its
             # preflight then refuses)

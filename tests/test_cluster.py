@@ -230,6 +230,27 @@ def test_single_node_stage_keeps_a_standalone_rendezvous(monkeypatch):
     assert "--standalone" in cmd and "srun" not in cmd
 
 
+def test_the_process_count_override_sets_the_stages_of_several_processes_only(monkeypatch):
+    """PIPELINE_NPROC_PER_NODE=4 (a whole pipeline at 4 processes per node): every stage that runs several
+    processes runs 4, and the stages of one process by nature (memory_study measures one process at a time;
+    the report, the study and the data preparation are one process) keep one, so no stage is refused."""
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
+    four = {"PIPELINE_NPROC_PER_NODE": "4"}
+    several = {
+        "tokenize",
+        "pretrain",
+        "extend_context",
+        "finetune_qlora",
+        "eval_perplexity",
+        "eval_harness",
+        "train_gnn",
+    }
+    table = launch.load_table()
+    for stage in table:
+        assert launch.processes(stage, four) == (4 if stage in several else 1, 1), stage
+    assert several < set(table)
+
+
 def test_a_process_count_that_is_not_a_positive_integer_is_one_line_before_any_start(tmp_path, monkeypatch, capsys):
     """PIPELINE_NPROC_PER_NODE=abc (or 0, or -1): the launcher ends with one line naming the variable and what
     it takes, exit code 2, before it starts anything."""
