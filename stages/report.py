@@ -285,6 +285,8 @@ def render_markdown(doc: dict) -> str:
     for name, items in doc["comparisons"].items():
         flat = {item: config.flatten(metrics) for item, metrics in items.items()}
         keys = sorted(set.intersection(*(set(m) for m in flat.values())))
+        if not keys:  # items that score different models (eval_harness@pretrain, @extend_context): nothing side by side
+            continue
         lines += [f"## Comparison: {name}", "", "| metric | " + " | ".join(flat) + " |", "|---|" + "---|" * len(flat)]
         lines += [f"| {k} | " + " | ".join(fmt(m[k]) for m in flat.values()) + " |" for k in keys]
         lines.append("")

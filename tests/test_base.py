@@ -14,6 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from shared_run import copy_of_run, sh, shared_run
 
@@ -163,14 +164,16 @@ def test_the_dag_runs_the_base_stage_and_no_pretrain_while_base_model_is_set(tmp
 
 @pytest.mark.e2e
 def test_qlora_extension_and_evaluation_of_a_hub_model_run_without_pretrain(tmp_path, mirror):
-    """The ci run's copy with base.model a hub repository in a local cache, read offline: snakemake -n plans
-    no pretrain; the whole DAG runs: the base, tokenize (with the base's tokenizer), QLoRA under 2 processes,
-    the extension and the evaluations record the commit, the report names the base model and finds no record
-    for it, and every link of pipelines.verify holds; a new revision re-runs exactly the stages that read it."""
+    """The ci run's copy with base.model a hub repository in a local cache, read offline, and every stage
+    that runs several processes at 4 (PIPELINE_NPROC_PER_NODE, as on a node of 4 GPUs): snakemake -n plans
+    no pretrain; the whole DAG runs: the base, tokenize (with the base's tokenizer), QLoRA, the extension and
+    the evaluations record the commit, the report names the base model and finds no record for it, and every
+    link of pipelines.verify holds; the hub model is the ci run's pretrained one, so its losses and
+    perplexities at 4 processes are the ci run's at 2; a new revision re-runs exactly the stages that read it."""
     clone = copy_of_run(tmp_path / "clone")
     home = tmp_path / "hf"
     commit = hub_snapshot(home, REPO, clone / "data/pretrain/model")
-    offline = {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    offline = {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "PIPELINE_NPROC_PER_NODE": "4"}
     params = clone / "params.yaml"
     text = params.read_text()
     params.write_text(
@@ -204,14 +207,29 @@ def test_qlora_extension_and_evaluation_of_a_hub_model_run_without_pretrain(tmp_
                 shared_run() / "data/tokenize" / shard
             ).read_bytes()
     ft = json.loads((clone / "data/finetune_qlora/nf4/meta.json").read_text())
-    assert ft["base"] == "data/base/model" and ft["base_commit"] == commit and ft["world_size"] == 2
+    assert ft["base"] == "data/base/model" and ft["base_commit"] == commit and ft["world_size"] == 4
     figures = json.loads((clone / "data/finetune_qlora/nf4/figures.json").read_text())
     ppl = json.loads((clone / "data/eval_perplexity/base/metrics.json").read_text())
     losses = (clone / "data/finetune_qlora/nf4/plots/loss.csv").read_text().split()
     print(
-        f"QLoRA on {REPO}@{commit[:12]} under 2 processes: train loss by step {losses}, eval loss "
+        f"QLoRA on {REPO}@{commit[:12]} under 4 processes: train loss by step {losses}, eval loss "
         f"{figures['eval_loss']:.4f} (perplexity {math.exp(figures['eval_loss']):.1f}); the base's perplexity: {ppl}"
     )
+    # 4 processes train and evaluate as the ci run's 2 did (the layouts tests' tolerance)
+    ci = shared_run()
+    curves = [f"finetune_qlora/{item}/plots/{name}.csv" for item in ("nf4", "none") for name in ("loss", "eval_loss")]
+    curves += [f"extend_context/plots/finetune_loss/{v}-ft.csv" for v in ("unscaled", "linear")]
+    for curve in curves:
+        ours, theirs = (np.loadtxt(run / "data" / curve, delimiter=",", skiprows=1, ndmin=2) for run in (clone, ci))
+        print(f"{curve}: at 4 processes {ours[:, 1].tolist()}, at 2 {theirs[:, 1].tolist()}")
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, err_msg=curve)
+    assert ppl["perplexity"]["base"] == pytest.approx(
+        json.loads((ci / "data/eval_perplexity/pretrain/metrics.json").read_text())["perplexity"]["pretrain"], rel=1e-5
+    )
+    extended = [
+        json.loads((run / "data/eval_perplexity/extend_context/metrics.json").read_text()) for run in (clone, ci)
+    ]
+    assert extended[0]["perplexity"] == pytest.approx(extended[1]["perplexity"], rel=1e-5)
     assert "Data and pipelines are up to date" in sh("dvc status", clone, **offline)
     results = json.loads((clone / "reports/results.json").read_text())
     assert results["base"] == {"model": REPO, "revision": commit, "commit": commit}

@@ -166,6 +166,9 @@ def test_items_of_one_stage_are_compared_side_by_side(tree):
     stage_folder(tree, "finetune_qlora/nf4", metrics={"eval_loss": 2.01, "peak_memory_mb": 700, "bits": 4.1})
     stage_folder(tree, "finetune_qlora/none", metrics={"eval_loss": 2.0, "peak_memory_mb": 900})
     stage_folder(tree, "eval_perplexity/pretrain", metrics={"nll": 3.0})
+    # items that score different models share no metric: no table (an empty one said nothing)
+    stage_folder(tree, "eval_harness/pretrain", metrics={"wikitext": {"word_perplexity": {"pretrain": 9.0}}})
+    stage_folder(tree, "eval_harness/extend_context", metrics={"wikitext": {"word_perplexity": {"yarn": 8.0}}})
     doc = report.main(
         [
             "--output",
@@ -174,10 +177,13 @@ def test_items_of_one_stage_are_compared_side_by_side(tree):
             "data/finetune_qlora/nf4",
             "data/finetune_qlora/none",
             "data/eval_perplexity/pretrain",
+            "data/eval_harness/pretrain",
+            "data/eval_harness/extend_context",
         ]
     )
-    assert list(doc["comparisons"]) == ["finetune_qlora"], "one item alone is no comparison"
+    assert list(doc["comparisons"]) == ["finetune_qlora", "eval_harness"], "one item alone is no comparison"
     md = (tree / "reports/results.md").read_text()
+    assert "## Comparison: eval_harness" not in md
     assert "## Comparison: finetune_qlora\n\n| metric | nf4 | none |\n|---|---|---|\n" in md
     assert "| eval_loss | 2.01 | 2 |\n| peak_memory_mb | 700 | 900 |\n" in md
     assert "| bits |" not in md.split("## Comparison")[1], "only the metrics every item has"
