@@ -138,6 +138,7 @@ pull: $(STAMP)
 lock: $(STAMP)
 	$(VENV)/bin/pip install --quiet -r requirements.in
 	$(VENV)/bin/python -m pipelines.lock
+	$(VENV)/bin/python -m pipelines.lock --tool pipelines/tools/crate-check.in  # the RO-Crate validator's own
 	$(VENV)/bin/python -m pipelines.dag write  # the families' package lists follow the lock
 
 clean:

@@ -3,7 +3,9 @@ serves for its version (the wheels of every platform and the sdist), so that an 
 machine with Python 3.11 checks each file it fetches against the lock (`pip install --require-hashes -r
 requirements.lock`: .venv, the container definitions) and refuses a substituted one.
 
-    python -m pipelines.lock      rewrite requirements.lock from the packages installed here (make lock)
+    python -m pipelines.lock               rewrite requirements.lock from the packages installed here (make lock)
+    python -m pipelines.lock --tool IN     IN's lock (IN with .lock for .in): a reader's tool kept outside the
+                                           environment, resolved by itself (make lock writes it too)
 
 The pins are the environment's (`pip freeze`): `make lock` installs requirements.in into .venv first, so a
 new direct dependency is resolved there and nothing already pinned moves. uv looks up the hashes of exactly
@@ -14,6 +16,10 @@ torch is pinned without its local label (2.13.0, not 2.13.0+cpu), with the hashe
 Makefile and the containers install torch first, by itself (the CPU build from PyTorch's index where there
 is no NVIDIA GPU): an installed 2.13.0+cpu satisfies `torch==2.13.0`, and pip checks no hash of a
 requirement already installed, so the hashed install leaves that build as it is.
+
+A tool's lock (pipelines/tools/crate-check.lock: the RO-Crate validator of pipelines/crate.py) is resolved
+from its .in file alone by uv (`uv pip compile --generate-hashes`): it is installed into a venv of its own,
+on demand, never into .venv, whose pins it may contradict (the validator needs rich<14).
 """
 
 from __future__ import annotations
@@ -107,8 +113,37 @@ def hashed(pins: list[Pin]) -> list[Pin]:
     return out
 
 
-def main() -> int:
+def tool_lock(infile: Path) -> Path:
+    """Resolve a tool's requirements (`infile`, a .in file) by themselves, every pin with the sha256 of every
+    file PyPI serves for it, into the .lock beside it; its comment lines head the lock."""
+    out = infile.with_suffix(".lock")
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    cmd = [sys.executable, "-m", "uv", "pip", "compile", "--quiet", "--generate-hashes", "--no-header"]
+    cmd += ["--no-annotate", "--python-version", python, str(infile)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise LockError(f"uv pip compile {infile.name} failed: {proc.stderr.strip()}")
+    comments = [line for line in infile.read_text().splitlines() if line.startswith("#")]
+    header = "".join(f"{line}\n" for line in comments)
+    out.write_text(f"{header}# Resolved by itself from {infile.name}: make lock (python -m pipelines.lock --tool)\n")
+    with open(out, "a") as fh:
+        fh.write(proc.stdout)
+    return out
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
     try:
+        if args[:1] == ["--tool"] and len(args) == 2:
+            out = tool_lock(Path(args[1]).resolve())
+            pins = parse(out.read_text(), out.name)
+            print(
+                f"lock: {out.relative_to(ROOT)}: {len(pins)} packages, {sum(len(p.hashes) for p in pins)} files' sha256"
+            )
+            return 0
+        if args:
+            print("usage: python -m pipelines.lock [--tool pipelines/tools/<name>.in]", file=sys.stderr)
+            return 2
         pins = hashed(frozen())
     except LockError as e:
         print(f"lock: {e}", file=sys.stderr)

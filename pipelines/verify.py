@@ -3,7 +3,9 @@
     python -m pipelines.verify                      every link of this run
     python -m pipelines.verify --rehash             the outs hashed from their bytes, not DVC's records
     python -m pipelines.verify --against PATH       also compare each out with another run's: PATH is a
-                                                    dvc.lock, or a folder holding one (and its outs)
+                                                    dvc.lock, or a folder holding one (and its outs), or
+                                                    a run's crate (pipelines.crate: also its params, code
+                                                    and environment against this checkout's)
 
 The links, from what a reader sees back to what made it:
   report    each row of reports/results.json equals the figure it came from (a stage's results.json
@@ -43,10 +45,12 @@ import contextlib
 import importlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import yaml
 
+from pipelines.crate import METADATA, is_crate
 from pipelines.dag import MEASURED_DIR, fill, load_table, parse_yaml
 from pipelines.sync import dvc_status
 from stages.common import contract
@@ -539,6 +543,17 @@ def compare(root: Path, lock: dict, against: Path) -> int:
     return 0 if counts["differs"] == 0 else 1
 
 
+def compare_crate(root: Path, lock: dict, crate: Path) -> int:
+    """--against a run's crate: its outs as compare() compares a run's folder (the crate's dvc.lock; its outs
+    where it holds them, else each stage's results rebuilt from the report's rows), then its params, code
+    and environment against this checkout's (pipelines.crate.differences)."""
+    from pipelines import crate as crates
+
+    with tempfile.TemporaryDirectory() as tmp:
+        code = compare(root, lock, crates.unpack(crate, Path(tmp)))
+    return code | crates.differences(root, crate)
+
+
 def within_tolerance(ours: Path, theirs: Path) -> bool:
     """Both outs hold the same reproduced results (results.json rows), each within its tolerance."""
     a, b = read_json(ours / "results.json"), read_json(theirs / "results.json")
@@ -624,9 +639,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rehash", action="store_true", help="hash every out's bytes (slower: reads them all)")
     args = parser.parse_args(argv)
     root = args.root.resolve()
-    if args.against is not None and not (args.against.is_file() or (args.against / "dvc.lock").is_file()):
-        parser.error(f"--against {args.against}: no dvc.lock there")
-    if args.against is not None:
+    crate = args.against is not None and is_crate(args.against)
+    if args.against is not None and not crate and not (args.against.is_file() or (args.against / "dvc.lock").is_file()):
+        parser.error(f"--against {args.against}: no dvc.lock there (nor a crate's {METADATA})")
+    if args.against is not None and not crate:
         try:
             against_source(root, args.against)
         except ValueError as e:
@@ -650,7 +666,9 @@ def main(argv=None) -> int:
     check_environment(root, lock, r)
     print(f"{r.broken} broken link(s)" if r.broken else "every link holds")
     code = 1 if r.broken else 0
-    if args.against is not None:
+    if crate:
+        code |= compare_crate(root, lock, args.against)
+    elif args.against is not None:
         code |= compare(root, lock, args.against)
     return code
 

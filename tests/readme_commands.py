@@ -70,6 +70,15 @@ HOW: dict[str, tuple[str, str]] = {
         "marked",
         "needs another run's dvc.lock (tests/test_e2e_records.py compares with one)",
     ),
+    "python -m pipelines.crate --out run.crate.zip": ("run", ""),
+    "python -m pipelines.crate check run.crate.zip": (
+        "marked",
+        "installs the validator's venv from PyPI on first use; tests/test_crate.py validates the shared run's crate",
+    ),
+    "python -m pipelines.verify --against run.crate.zip": (
+        "marked",
+        "tests/test_crate.py runs it against the shared run's crate, and in a copy with a params value changed",
+    ),
     "make plots": ("make", ""),
     "make html-report": ("make", ""),
     "snakemake --report snakemake-report.html": ("run", ""),
