@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+from shared_run import shared_run
 
 from pipelines import verify
 from stages import prepare_data
@@ -17,6 +18,7 @@ from stages.common import atomic, config, environment, stage
 from stages.common.tracking import runs
 
 ROOT = Path(__file__).resolve().parent.parent
+MEASURED_IMAGE = environment.current_image  # (the tests run outside any container but where one is asked for)
 GNN = "pipelines/packages/gnn.txt"
 LM = "pipelines/packages/lm.txt"
 
@@ -285,3 +287,25 @@ def test_verify_notes_an_out_made_in_another_environment_naming_the_packages_and
         f"ok      environment stage tokenize: data/tokenize was made in this environment (requirements.lock "
         f"{here['lock_sha256'][:12]}, {lm} lm packages, image none)",
     ]
+
+
+def test_each_out_of_the_ci_run_and_its_mlflow_run_record_the_environment_it_ran_in(monkeypatch, capsys, mirror):
+    """The shared ci run: every out with a meta.json records this environment, which verify finds here, and
+    the stages' MLflow runs are tagged with the same record."""
+    import mlflow
+
+    run = shared_run()
+    monkeypatch.setattr(environment, "current_image", MEASURED_IMAGE)  # (where the run ran: here)
+    lock = verify.parse_yaml((run / "dvc.lock").read_text())
+    r = verify.Report()
+    verify.check_recorded_environments(run, lock, r)
+    lines = capsys.readouterr().out.splitlines()
+    made_here = {line.split()[3].rstrip(":") for line in lines if line.startswith("ok      environment stage ")}
+    assert len(made_here) == len(lines), lines
+    assert {"prepare_data", "tokenize", "pretrain", "finetune_qlora@nf4", "eval_harness@pretrain"} <= made_here, lines
+    record = json.loads((run / "data/pretrain/meta.json").read_text())["environment"]
+    assert record["lock_sha256"] == hashlib.sha256((run / environment.LOCK).read_bytes()).hexdigest()
+    client = mlflow.MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    (tracked,) = client.search_runs(experiments, "tags.stage = 'pretrain'")
+    assert {k: tracked.data.tags.get(k) for k in environment.tags_of(record)} == environment.tags_of(record)
