@@ -85,6 +85,7 @@ def test_a_runs_record_is_measured_from_the_installed_metadata_and_the_lock_foun
     assert tags["lock_sha256"] == edited["lock_sha256"] and tags["container_family"] == "lm"
     assert "xxhash==9.0.1" in tags["packages_installed"].split("\n")
     assert not any(k.startswith("image.") for k in tags)
+    assert environment.tags_of(json.loads(json.dumps(edited, sort_keys=True))) == tags  # (as meta.json has it)
 
 
 def test_outputs_of_two_runs_on_the_same_environment_record_it_byte_for_byte(tmp_path, monkeypatch):

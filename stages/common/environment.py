@@ -284,7 +284,7 @@ def tags_of(record: dict) -> dict[str, str]:
     `name==version` lines), image.runtime, image.name, image.sha256 or image.id."""
     tags = {k: str(record[k]) for k in ("lock_sha256", "container_family", "packages_sha256") if record.get(k)}
     if "packages" in record:
-        lines = "\n".join(f"{n}=={v}" for n, v in record["packages"].items())
+        lines = "\n".join(f"{n}=={v}" for n, v in sorted(record["packages"].items(), key=lambda kv: normalized(kv[0])))
         tags["packages_installed"] = lines[:TAG_LENGTH]  # (packages_sha256 stands for the whole list)
     tags |= {f"image.{k}": str(v) for k, v in (record.get("image") or {}).items()}
     return tags
