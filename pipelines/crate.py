@@ -70,7 +70,9 @@ def read_json(path: Path):
 def environment(root: Path, meta: dict) -> dict[str, str]:
     """The environment a stage run's record names: requirements.lock's sha256 and the CPU of its meta.json
     (kernels, so the last digits of results, follow it), with its own environment record when it has one."""
-    found = {"requirements.lock sha256": hashlib.sha256((root / "requirements.lock").read_bytes()).hexdigest()}
+    recorded = (meta.get("environment") or {}).get("lock_sha256")  # the lock the run found (stages.common.environment)
+    recorded = recorded or hashlib.sha256((root / "requirements.lock").read_bytes()).hexdigest()
+    found = {"requirements.lock sha256": recorded}
     for key, value in sorted((meta.get("cpu") or {}).items()):
         found[key] = ",".join(value) if isinstance(value, list) else str(value)
     for key, value in sorted(flatten(meta.get("environment") or {}).items()):

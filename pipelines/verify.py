@@ -24,7 +24,10 @@ The links, from what a reader sees back to what made it:
   checkpoints  each checkpoint left in checkpoints/ matches its manifest, and was written by this code
   environment  the packages installed here are the versions of the package files dvc.lock's stages
             depend on (pipelines/packages/<family>.txt); a difference is a note naming them, as the stages
-            themselves refuse to run on other versions (stages.common.environment)
+            themselves refuse to run on other versions (stages.common.environment). And each out's
+            meta.json records the environment it was made in (requirements.lock's sha256, the installed
+            versions of its family's packages, the container image): one made in another is a note
+            naming what differs from here
 Only the stages of the DAG that params.yaml makes now are checked: dvc.lock keeps the records of stages
 that left it (pretrain while base.model names another model), each named in a note.
 One line per link: `ok`, or `BROKEN` with what is broken, where, and the command that mends it (run as
@@ -33,9 +36,11 @@ is broken. tests/test_e2e_verify.py breaks each link and runs the mend printed f
 prints per out `identical` (the same md5), `within the recorded tolerance` (it differs, and every
 reproduced result in it, a results.json row, is within its tolerance of the other run's), or `differs`;
 and `measured` for the files under measured/ (timings and memory, which differ from run to run by
-nature: not compared). The other run's results are read from its folder only (its outs beside its
-dvc.lock); a lock file by another name (published.lock) comes without them and is compared by its records
-only, which its first line says: an out whose md5 differs is then `differs`.
+nature: not compared); an out that is not identical is followed by `environment differs` where the two
+runs recorded different environments for it (the packages and image that differ, here and there).
+The other run's results are read from its folder only (its outs beside its dvc.lock); a lock file by
+another name (published.lock) comes without them and is compared by its records only, which its first
+line says: an out whose md5 differs is then `differs`.
 """
 
 from __future__ import annotations
@@ -488,6 +493,52 @@ def check_environment(root: Path, lock: dict, r: Report) -> None:
             )
         else:
             r.ok("environment", f"the packages installed here are those of {whose}")
+    check_recorded_environments(root, lock, r)
+
+
+def recorded_environment(folder: Path) -> dict | None:
+    """The environment an out was made in, as its meta.json records it (stages.common.environment.run_record);
+    None for an out without one (no meta.json, or made before outputs recorded it)."""
+    meta = read_json(folder / "meta.json")
+    record = meta.get("environment") if isinstance(meta, dict) else None
+    return record if isinstance(record, dict) and "lock_sha256" in record else None
+
+
+def check_recorded_environments(root: Path, lock: dict, r: Report) -> None:
+    """Each out's recorded environment (its meta.json) against the one here: this checkout's requirements.lock,
+    the installed versions of its family's packages, the container this runs in. A difference is a note naming
+    it: the out is what dvc.lock records, made in another environment (another lock, image or machine)."""
+    from stages.common import environment
+
+    now: dict[str, dict] = {}
+    for path, (stage, _) in sorted(lock_outs(lock).items()):
+        if path.startswith(f"{MEASURED_DIR}/") or not (root / path / "meta.json").is_file():
+            continue
+        record = recorded_environment(root / path)
+        if record is None:
+            r.note("environment", f"stage {stage}: {path}/meta.json records no environment (made before outputs "
+                   "recorded theirs): not compared")  # fmt: skip
+            continue
+        section = stage.partition("@")[0]
+        if section not in now:
+            now[section] = environment.run_record(section, root)
+        changes = environment.record_changes(record, now[section])
+        if changes:
+            r.note("environment", f"stage {stage}: {path} was made in another environment than this one: "
+                   f"{environment.describe_changes(changes)}")  # fmt: skip
+        else:
+            r.ok("environment", f"stage {stage}: {path} was made in this environment ({environment_label(record)})")
+
+
+def environment_label(record: dict) -> str:
+    """`requirements.lock 1a2b3c4d5e6f, 194 lm packages, image apptainer lm.sif sha256:...` of a run_record."""
+    from stages.common import environment
+
+    parts = [f"{environment.LOCK} {(record.get('lock_sha256') or 'none')[:12]}"]
+    if record.get("container_family"):
+        parts.append(f"{len(record.get('packages') or {})} {record['container_family']} packages")
+    parts.append(f"image {environment.image_label(record.get('image')) or 'none'}")
+    return ", ".join(parts)
 
 
 def against_source(root: Path, against: Path) -> tuple[Path, Path | None]:
@@ -539,6 +590,8 @@ def compare(root: Path, lock: dict, against: Path) -> int:
                 where = f" (not in {other_root})"
         counts[verdict] += 1
         print(f"{verdict:<29} {path}{where}")
+        if verdict != "identical" and other_root is not None:
+            compare_environments(root / path, other_root / path, path)
     print(", ".join(f"{n} {k}" for k, n in counts.items()))
     return 0 if counts["differs"] == 0 else 1
 
@@ -552,6 +605,17 @@ def compare_crate(root: Path, lock: dict, crate: Path) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         code = compare(root, lock, crates.unpack(crate, Path(tmp)))
     return code | crates.differences(root, crate)
+
+
+def compare_environments(ours: Path, theirs: Path, path: str) -> None:
+    """A line naming what differs between the environments two runs recorded for the same out (their
+    meta.json): the lock, the packages, the image. Nothing when they agree or either has no record."""
+    from stages.common import environment
+
+    a, b = recorded_environment(ours), recorded_environment(theirs)
+    changes = environment.record_changes(a, b) if a is not None and b is not None else []
+    if changes:
+        print(f"{'environment differs':<29} {path}: {environment.describe_changes(changes, 'here', 'there')}")
 
 
 def within_tolerance(ours: Path, theirs: Path) -> bool:

@@ -27,7 +27,8 @@ Output (data/prepare_data/):
     planetoid/<Name>/raw/ind.*        the raw files PyG's Planetoid(root, name) reads
     benchmarks/wikitext-2-raw/wiki.test.raw   WikiText-2's raw test split as published (`benchmarks`), for
                                       eval_harness's wikitext task
-    meta.json                         sources, per-split counts and the sha256 of every file written
+    meta.json                         sources, per-split counts, the sha256 of every file written, the
+                                      environment the run ran in
     figures.json                      bytes, lines and documents per split; instruction records
     metrics.json                      train bytes, instruction records (DVC metrics)
 """
@@ -563,6 +564,7 @@ def prepare(cfg: Config, output: Path) -> dict:
         meta["graphs"] = {"names": list(cfg.graphs), "raw_sha256": write_graphs(cfg, tmp)}
         meta["benchmarks"] = {"names": list(cfg.benchmarks), "sha256": write_benchmarks(cfg, tmp)}
         meta["files"] = {str(p.relative_to(tmp)): digest.sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        meta |= environment.output_record(STAGE)
         atomic.write_json(tmp / "meta.json", meta)
         figures = metrics_of(meta)
         headline = {k: figures[k] for k in ("train_bytes", "instruction_records") if k in figures}

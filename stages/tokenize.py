@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.common import atomic, ckpt, config, digest, registry, runtime, shards, stage
+from stages.common import atomic, ckpt, config, digest, environment, registry, runtime, shards, stage
 from stages.common.tracking.tracker import Tracker
 
 STAGE = "tokenize"
@@ -438,6 +438,7 @@ def tokenize(
                 "shard_tokens": cfg.shard_tokens,
                 **({"tokenizer": str(given), **registry.origin(given)} if given else {}),
                 "splits": {},
+                **environment.output_record(STAGE),
             }
             plan = json.loads((work / "plan.json").read_text())
             missing = [f"{sp}-{k:06d}" for sp in SPLITS for k in range(len(plan[sp])) if not chunk_done(work, sp, k)]

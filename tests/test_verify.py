@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from pipelines import verify
+from stages.common import environment
 
 OUT = "data/train_gnn"
 MEASURED = "measured/train_gnn.json"
@@ -93,3 +94,31 @@ def test_this_runs_own_folder_or_lock_is_refused_with_one_line(run, capsys, agai
     assert exit_.value.code == 2
     error = capsys.readouterr().err.splitlines()[-1]
     assert "that is this run's own dvc.lock; give another run's folder (its dvc.lock and outs)" in error, error
+
+
+def test_against_names_the_packages_and_the_image_that_differ_between_two_runs_records(run, tmp_path, capsys):
+    root, lock = run
+    other = tmp_path / "other"
+    make_run(other, "b" * 32 + ".dir", 81.9)
+    ours = {
+        "lock_sha256": "1" * 64,
+        "container_family": "gnn",
+        "packages": {"torch": "2.13.0", "torch-geometric": "2.8.1"},
+    }
+    theirs = {**ours, "packages": {"torch": "2.13.0", "torch-geometric": "2.8.0"}}
+    theirs["image"] = {"runtime": "podman", "name": "localhost/pipeline-gnn", "id": "9" * 64}
+    for folder, record in ((root, ours), (other, theirs)):
+        record["packages_sha256"] = environment.packages_sha256(record["packages"])
+        (folder / OUT / "meta.json").write_text(json.dumps({"environment": record}))
+    assert verify.compare(root, lock, other) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"{'within the recorded tolerance':<29} {OUT}",
+        f"{'environment differs':<29} {OUT}: torch-geometric 2.8.1 here, 2.8.0 there; image none here, podman "
+        "localhost/pipeline-gnn 999999999999 there",
+        f"{'measured':<29} {MEASURED}",
+        "0 identical, 1 within the recorded tolerance, 0 differs, 1 measured",
+    ]
+    # The same environment on both sides: no line for it.
+    (other / OUT / "meta.json").write_text(json.dumps({"environment": ours}))
+    verify.compare(root, lock, other)
+    assert "environment" not in capsys.readouterr().out

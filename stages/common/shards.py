@@ -21,6 +21,7 @@ meta.json:
     splits.<split>.words      whitespace-separated words, `len(text.split())` (word perplexity)
     splits.<split>.documents  documents, i.e. eos ids
     splits.<split>.shards     shard file names in order
+    environment               what the run ran in (stages.common.environment.output_record)
 """
 
 from __future__ import annotations

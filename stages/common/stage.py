@@ -157,8 +157,9 @@ def inputs_hash(paths, rt: runtime.Runtime) -> str:
 
 def record_tags(section: str, across_code: str | None = None) -> dict:
     """What a stage's run and registered models carry besides its params and inputs: the hash of its code
-    (stages.common.provenance), the versions of the packages it imports, and, after a resume across a
-    code or torch change (PIPELINE_RESUME=across-code, or checkpoints of such a run), what it resumed from."""
+    (stages.common.provenance), the versions of the packages it imports, the environment it runs in
+    (stages.common.environment.run_tags) and, after a resume across a code or torch change
+    (PIPELINE_RESUME=across-code, or checkpoints of such a run), what it resumed from."""
     module = f"stages.{section}"
     tags = {"code_sha256": ckpt.writer_record(module)["code_sha256"]}
     try:
@@ -167,7 +168,7 @@ def record_tags(section: str, across_code: str | None = None) -> dict:
         pass
     if across_code:
         tags[ckpt.ACROSS_CODE] = across_code
-    tags |= environment.run_tags(section)  # a run on packages other than its family's recorded ones
+    tags |= environment.run_tags(section)  # (and a run on packages other than its family's recorded ones)
     return tags
 
 
@@ -177,7 +178,7 @@ def tracked(section: str, cfg, inputs, rt: runtime.Runtime, tags: dict | None = 
     or their hash from `inputs_hash`) and the stage's record_tags. Every rank enters it; rank 0 logs, and
     the first process of each node its system metrics (runs.node_metrics). Yields (tracker, inputs hash)."""
     digest = inputs if isinstance(inputs, str) else inputs_hash(inputs, rt)
-    tags = {**record_tags(section), **(tags or {})}
+    tags = {**(record_tags(section) if rt.is_main else {}), **(tags or {})}  # (rank 0 opens the run)
     with timing.entered_in("tracking", runs.start_run(section, config.as_dict(cfg), digest, rt, tags=tags)) as tracker:
         with timing.entered_in("tracking", runs.node_metrics(tracker, rt)):
             yield tracker, digest
@@ -274,12 +275,13 @@ def write_measured(path: str | Path, output: str | Path, figures: dict) -> None:
 
 def code_record(section: str) -> dict:
     """What an output's meta.json records of the code and environment that made it: the hash of the
-    stage's code (stages.common.provenance) and the versions of the packages it imports. Not the git
+    stage's code (stages.common.provenance), the versions of the packages it imports, and the environment
+    it ran in (`environment`: stages.common.environment.output_record). Not the git
     commit: an unrelated commit must not change an output's hash (the commit is in the MLflow run and
     the registered model's lineage)."""
     module = f"stages.{section}"
     record = {"code_sha256": ckpt.writer_record(module)["code_sha256"], "packages": provenance.packages(module)}
-    return record | environment.output_record(section)  # (a run on other packages than the recorded ones)
+    return record | environment.output_record(section)
 
 
 def read_figures(folder: str | Path) -> dict:
@@ -313,7 +315,8 @@ def register_models(
         return
     try:
         tags = registry.lineage(Path(output), [Path(p) for p in inputs], config.as_dict(cfg), digest)
-        tags |= {k: v for k, v in record_tags(section, across_code).items() if not k.startswith("package.")}
+        versions = ("package.", "packages_installed")  # (the run has them; the lineage keeps their hash)
+        tags |= {k: v for k, v in record_tags(section, across_code).items() if not k.startswith(versions)}
         records = [
             registry.version_record(
                 registry.model_name(section, item),
