@@ -9,6 +9,7 @@ Podman runs as root with the vfs storage driver and runc in a private storage fo
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -208,7 +209,8 @@ def test_lm_image_runs_a_stage(podman, lm_image, tmp_path, mirror):
     assert f"collector {collector_thresholds()}" in proc.stdout, "the image's Python has pipelines/gc-threshold.pth's"
     assert "launch: /opt/venv/bin/python" in proc.stderr, "the stage ran on the image's Python"
 
-    # The same stage on the host, with the host's packages: the same files, byte for byte.
+    # The same stage on the host, with the host's packages: the same files, byte for byte, but the record of
+    # where each ran (meta.json's environment: the same lock and package versions, the image inside only).
     outside = tmp_path / "outside"
     outside.mkdir()
     ci_params(outside)
@@ -223,4 +225,8 @@ def test_lm_image_runs_a_stage(podman, lm_image, tmp_path, mirror):
     ours, theirs = output_hashes(inside, ("data",)), output_hashes(outside, ("data",))
     assert len(ours) > 5 and sorted(ours) == sorted(theirs)
     differ = sorted(p for p in ours if ours[p] != theirs[p])
-    assert differ == [], f"differ inside the container: {differ}"
+    assert differ == ["data/prepare_data/meta.json"], f"differ inside the container: {differ}"
+    meta_in, meta_out = (json.loads((root / differ[0]).read_text()) for root in (inside, outside))
+    image = meta_in["environment"].pop("image")
+    assert image["runtime"] == "podman" and "image" not in meta_out["environment"], image
+    assert meta_in == meta_out, "the container's record differs in more than its image"
