@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import tempfile
 from pathlib import Path
 
 from stages.common import atomic, config, digest, provenance
@@ -35,23 +34,6 @@ ALIAS = "reproduced"
 
 def model_name(stage: str, item: str | None = None) -> str:
     return f"{stage}-{item}" if item else stage
-
-
-def dvc_md5(path: str | Path, root: str | Path | None = None) -> str:
-    """DVC's content hash of a file or folder: `<md5>` or `<md5>.dir`, the value dvc.lock records for it
-    (files DVC ignores under `root`, the repository, are left out as DVC leaves them out)."""
-    from dvc.ignore import DvcIgnoreFilter
-    from dvc_data.hashfile.build import build
-    from dvc_data.hashfile.db import HashFileDB
-    from dvc_objects.fs.local import LocalFileSystem
-
-    fs = LocalFileSystem()
-    path = Path(path).resolve()
-    root = Path(root or Path.cwd()).resolve()
-    ignore = DvcIgnoreFilter(fs, str(root)) if path.is_relative_to(root) else None
-    with tempfile.TemporaryDirectory() as scratch:
-        _, _, obj = build(HashFileDB(fs, scratch), str(path), fs, "md5", dry_run=True, ignore=ignore)
-    return obj.hash_info.value
 
 
 def params_sha256(section: dict) -> str:
@@ -81,10 +63,10 @@ def lineage(output: Path, inputs: list[Path], section: dict, inputs_hash: str) -
     return {
         "git_commit": provenance.git_commit(),
         "output": str(output),
-        "output_dvc_md5": dvc_md5(output),
+        "output_dvc_md5": digest.dvc_md5(output),
         "params_sha256": params_sha256(section),
         "inputs_hash": inputs_hash,
-        **{tag_key(f"input.{p}"): dvc_md5(p) for p in inputs if Path(p).exists()},
+        **{tag_key(f"input.{p}"): digest.dvc_md5(p) for p in inputs if Path(p).exists()},
         **{key: value for p in inputs for key, value in origin(p).items()},  # (a hub base: its commit)
     }
 
@@ -93,7 +75,7 @@ def version_record(name: str, folder: Path, tags: dict, description: str) -> dic
     """What registering the model in `folder` as a new version of `name` takes: its folder, its tags (its
     stage's lineage) with its own `dvc_md5`, taken now, and the registered model's description."""
     folder = Path(folder).resolve()
-    tags = {**tags, "dvc_md5": dvc_md5(folder)}
+    tags = {**tags, "dvc_md5": digest.dvc_md5(folder)}
     content = digest.hash_files([folder])  # (checked again before a later send registers it: tracking.records)
     return {"name": name, "folder": str(folder), "tags": tags, "description": description, "content": content}
 
