@@ -46,28 +46,27 @@ def dvc_md5(path: str | Path, root: str | Path | None = None) -> str:
 
 
 def dvc_md5s(paths, root: str | Path | None = None) -> dict[str, str]:
-    """dvc_md5 of each of `paths` ({path as given: hash}; a path that is not there is left out). In a DVC
+    """dvc_md5 of each of `paths`, relative to `root` ({path as given: hash}; one not there is left out). In a DVC
     repository (`root`) through DVC's record of the hashes it computed before, by file inode, size and
     time, as `dvc` itself hashes: what `dvc repro` or `dvc commit` hashed a moment ago is not read again."""
     from dvc.exceptions import NotDvcRepoError
     from dvc.repo import Repo
 
     root = Path(root or Path.cwd()).resolve()
-    there = [p for p in paths if Path(p).exists()]
+    there = {str(p): (root / p).resolve() for p in paths if (root / p).exists()}  # (relative to `root`)
     try:
         repo = Repo(str(root), uninitialized=False)
     except NotDvcRepoError:
-        return {str(p): dvc_md5(p, root) for p in there}
+        return {p: dvc_md5(path, root) for p, path in there.items()}
     with repo:
         if Path(repo.root_dir).resolve() != root:  # (a folder inside another repository: hashed as by hand)
-            return {str(p): dvc_md5(p, root) for p in there}
+            return {p: dvc_md5(path, root) for p, path in there.items()}
         found = {}
-        for p in there:
-            path = Path(p).resolve()
+        for p, path in there.items():
             if path.is_relative_to(root):
-                found[str(p)] = _build_md5(repo.fs, path, repo.dvcignore, repo.state)
+                found[p] = _build_md5(repo.fs, path, repo.dvcignore, repo.state)
             else:
-                found[str(p)] = _build_md5(repo.fs, path, None, None)
+                found[p] = _build_md5(repo.fs, path, None, None)
         return found
 
 

@@ -71,13 +71,24 @@ def lineage(output: Path, inputs: list[Path], section: dict, inputs_hash: str) -
     }
 
 
-def version_record(name: str, folder: Path, tags: dict, description: str) -> dict:
+def version_record(
+    name: str, folder: Path, tags: dict, description: str, item: str | None = None, items: list | tuple = ()
+) -> dict:
     """What registering the model in `folder` as a new version of `name` takes: its folder, its tags (its
-    stage's lineage) with its own `dvc_md5`, taken now, and the registered model's description."""
+    stage's lineage) with its own `dvc_md5`, taken now, the registered model's description, and which of
+    the stage's models it is (`item` of `items`: whose metrics its logged model gets, tracking.models)."""
     folder = Path(folder).resolve()
     tags = {**tags, "dvc_md5": digest.dvc_md5(folder)}
     content = digest.hash_files([folder])  # (checked again before a later send registers it: tracking.records)
-    return {"name": name, "folder": str(folder), "tags": tags, "description": description, "content": content}
+    return {
+        "name": name,
+        "folder": str(folder),
+        "tags": tags,
+        "description": description,
+        "content": content,
+        "item": item,
+        "items": [i for i in items if i is not None],
+    }
 
 
 def versions_with(name: str, key: str, value: str) -> list:

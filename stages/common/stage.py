@@ -323,6 +323,8 @@ def register_models(
                 Path(folder),
                 tags,
                 f"The {section} stage's model{f' ({item})' if item else ''}, registered by each run.",
+                item,
+                list(models),
             )
             for item, folder in models.items()
         ]
