@@ -1,9 +1,11 @@
 """The MLflow model registry: every published model becomes a version of a registered model, with its lineage.
 
 Names: a stage's model is registered under the stage's name (`pretrain`), a stage's model per item or
-variant as `<stage>-<item>` (`extend_context-yarn-ft`, `finetune_qlora-nf4`). Each version stores the
-Hugging Face folder as an artifact of the stage's run (`models/<name>`: hard links into a local artifact
-store, so no second copy on disk; an upload elsewhere) and carries its lineage as tags:
+variant as `<stage>-<item>` (`extend_context-yarn-ft`, `finetune_qlora-nf4`). Each model is first an MLflow
+logged model of the stage's run, of the same name (stages/common/tracking/models.py: the Hugging Face folder
+as its artifacts, hard links into a local artifact store, so no second copy on disk; the run's params; the
+stage's final metrics), and the version is made from it (source `models:/<model id>`). Both carry its
+lineage as tags:
 
     git_commit        the code that trained it
     dvc_md5           DVC's content hash of the model folder (`<md5>.dir`, as `dvc` computes it)
