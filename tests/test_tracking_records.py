@@ -184,6 +184,8 @@ def test_a_published_model_is_a_logged_model_with_metrics_and_the_version_comes_
     assert version.tags == {k: model.tags[k] for k in version.tags} and version.tags["dvc_md5"].endswith(".dir")
     assert model.status == "READY" and model.params == {"quantization": "nf4"} and model.model_type == "finetune_qlora"
     assert {m.key: m.value for m in model.metrics} == {"eval_loss": 2.5}, "the run's last values, no system metrics"
+    history = client.get_metric_history(run_id, "eval_loss")
+    assert [(m.step, m.value) for m in history] == [(3, 2.5)], "the run's curve as it was"
     assert json.loads(model.tags["mlflow.modelVersions"]) == [{"name": "finetune_qlora-nf4", "version": "1"}]
     assert [o.model_id for o in client.get_run(run_id).outputs.model_outputs] == [model.model_id]
     # The version's files: links to the published ones in the logged model's artifacts.
@@ -193,6 +195,12 @@ def test_a_published_model_is_a_logged_model_with_metrics_and_the_version_comes_
 
 
 def test_a_model_of_several_in_one_run_gets_its_own_metrics():
+    from mlflow.entities import Metric
+
+    def values(metrics: dict, item: str, items: list) -> dict:
+        found = models.final_metrics([Metric(k, v, 1, 0) for k, v in metrics.items()], item, items)
+        return {k: m.value for k, m in found.items()}
+
     metrics = {"yarn-ft.val_loss": 2.0, "pi-ft.val_loss": 3.0, "tokens_per_s": 9.0, "system/h/cpu": 1.0}
-    assert models.final_metrics(metrics, "yarn-ft", ["yarn-ft", "pi-ft"]) == {"val_loss": 2.0, "tokens_per_s": 9.0}
-    assert models.final_metrics({"eval_loss": 1.0}, "nf4", ["nf4"]) == {"eval_loss": 1.0}
+    assert values(metrics, "yarn-ft", ["yarn-ft", "pi-ft"]) == {"val_loss": 2.0, "tokens_per_s": 9.0}
+    assert values({"eval_loss": 1.0}, "nf4", ["nf4"]) == {"eval_loss": 1.0}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 from stages.common.tracking.store import local_path
@@ -37,19 +36,19 @@ def store_folder(folder: Path, artifact_uri: str, upload) -> None:
     tmp.rename(dest)
 
 
-def final_metrics(metrics: dict, item: str | None = None, items=()) -> dict:
-    """The run's last metric values that describe the model of `item`: its system metrics left out; a
-    stage that trains several models in one run (extend_context's variants) names theirs `<item>.<key>`,
-    taken as `<key>` for that item's model and left out of the others'."""
+def final_metrics(metrics: list, item: str | None = None, items=()) -> dict:
+    """{key for the model: the run's last value of a metric (an mlflow Metric)} that describes the model of
+    `item`: its system metrics left out; a stage that trains several models in one run (extend_context's
+    variants) names theirs `<item>.<key>`, taken as `<key>` for that item's model, left out of the others'."""
     own, shared = {}, {}
-    for key, value in metrics.items():
-        head, dot, rest = key.partition(".")
-        if key.startswith("system/"):
+    for metric in metrics:
+        head, dot, rest = metric.key.partition(".")
+        if metric.key.startswith("system/"):
             continue
         if dot and head == item:
-            own[rest] = value
+            own[rest] = metric
         elif not (dot and head in items):
-            shared[key] = value
+            shared[metric.key] = metric
     return {**shared, **own}
 
 
@@ -76,9 +75,11 @@ def logged_model(client, run, record: dict):
         )
     folder = Path(record["folder"])
     store_folder(folder, model.artifact_location, lambda: client.log_model_artifacts(model.model_id, str(folder)))
-    now = int(time.time() * 1000)
-    metrics = final_metrics(run.data.metrics, record.get("item"), record.get("items", ()))
-    items = [Metric(k, v, now, 0, model_id=model.model_id) for k, v in sorted(metrics.items())]
+    # A model's metric is also a point of the run's: logged at the time and step of the run's last value,
+    # under the model's key, it adds none to the run's curves (MLflow keeps one of two equal points).
+    last = [Metric.from_proto(m) for m in run.data.to_proto().metrics]
+    metrics = final_metrics(last, record.get("item"), record.get("items", ()))
+    items = [Metric(k, m.value, m.timestamp, m.step, model_id=model.model_id) for k, m in sorted(metrics.items())]
     for i in range(0, len(items), 1000):
         client.log_batch(run_id, metrics=items[i : i + 1000])
     if model.model_id not in {o.model_id for o in (run.outputs.model_outputs if run.outputs else [])}:
