@@ -108,6 +108,11 @@ class Stage:
             return [(self.name, None)]
         return [(f"{self.name}@{item}", item) for item in self.foreach]
 
+    def data_deps(self, item: str | None = None) -> list[str]:
+        """The deps that are data, as dvc.lock names them (`${item}` filled): the files and folders under
+        data/ it reads, not its code, its family's packages, what stages measured or recorded values."""
+        return [fill(d, item).rstrip("/") for d in self.deps if d.startswith("data/")]
+
     def cmd(self) -> str:
         args = self.args + (f" --measured {self.measured_files()[0]}" if self.measured else "")
         return f"{LAUNCH} {self.name}{'@${item}' if self.foreach else ''} {args.strip()}".strip()

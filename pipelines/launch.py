@@ -390,6 +390,14 @@ def stale_dag(stage: str, args: list[str], env: dict) -> str | None:
     )
 
 
+def data_inputs(label: str) -> str:
+    """The data deps of stage `label` (`<stage>[@<item>]`) in the table, as a JSON list (contract.INPUTS):
+    its MLflow run records each as a dataset with its DVC hash."""
+    name, _, item = label.partition("@")
+    table = load_table()
+    return json.dumps(table[name].data_deps(item or None) if name in table else [])
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
@@ -449,6 +457,7 @@ def main() -> None:
             contract.LAUNCH_HOST: socket.gethostname(),  # (the files are on this host)
             contract.WORLD_SIZE: str(nproc * nodes),  # what the stage's preflight expects
             contract.TIME_FILE: str(times),
+            contract.INPUTS: data_inputs(sys.argv[1]),
         },
     )
     warned, forwarded = [], []

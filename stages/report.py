@@ -500,7 +500,7 @@ def mark_reproduced(doc: dict, inputs: list[Path]) -> dict[str, int]:
         if not passes or not all(p is True for p in passes) or label not in folders or not registry.is_registered(name):
             continue
         if label not in hashes:
-            hashes[label] = registry.dvc_md5(folders[label])
+            hashes[label] = digest.dvc_md5(folders[label])
         found = registry.versions_with(name, "output_dvc_md5", hashes[label])
         if found:
             registry.set_alias(name, int(found[0].version))

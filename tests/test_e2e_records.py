@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from shared_run import copy_of_run, env_for, sh
+from shared_run import copy_of_run, env_for, sh, shared_run
 from test_e2e import DOWNSTREAM, UP_TO_DATE, set_growth, snakemake_ran
 
 pytestmark = pytest.mark.e2e
@@ -63,6 +64,44 @@ def test_models_are_registered_with_their_lineage_and_read_by_alias(clone):
     )
     figures = json.loads((clone.parent / "registered_eval/figures.json").read_text())["models"]
     assert figures["pretrain"]["ctx64"]["nll"] == figures["folder"]["ctx64"]["nll"]
+
+
+def test_stage_runs_name_their_inputs_dvc_md5s_and_each_version_comes_from_a_logged_model(tmp_path):
+    """On the shared run (read only; its MLflow store copied): every stage run's datasets are its data deps
+    with the md5s dvc.lock records for them; every registered version comes from a READY logged model of
+    its run, with metrics; search_logged_models ranks the finetune_qlora models by eval_loss."""
+    import mlflow
+
+    run = shared_run()
+    shutil.copy(run / "mlflow.db", tmp_path / "mlflow.db")
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("pipeline").experiment_id
+    lock = yaml.safe_load((run / "dvc.lock").read_text())["stages"]
+    stage_runs = [r for r in client.search_runs([exp], max_results=1000) if r.data.tags.get("stage")]
+    reading = {name for name, st in lock.items() if any(d["path"].startswith("data/") for d in st.get("deps", []))}
+    assert reading <= {r.info.run_name for r in stage_runs} <= set(lock), "a run (or more) per stage of dvc.lock"
+    for r in stage_runs:
+        recorded = {d.dataset.name: d.dataset for d in r.inputs.dataset_inputs}
+        deps = {d["path"]: d["md5"] for d in lock[r.info.run_name]["deps"] if d["path"].startswith("data/")}
+        assert {name: d.digest for name, d in recorded.items()} == deps, r.info.run_name
+        assert {d.source_type for d in recorded.values()} <= {"dvc"}
+    versions = client.search_model_versions(max_results=1000)
+    assert len(versions) >= 4, [v.name for v in versions]
+    for version in versions:
+        model = client.get_logged_model(version.source.removeprefix("models:/"))
+        assert (model.name, model.source_run_id, model.status) == (version.name, version.run_id, "READY")
+        assert model.metrics and model.tags["output_dvc_md5"] == version.tags["output_dvc_md5"], version.name
+    ranked = client.search_logged_models(
+        [exp],
+        filter_string="name LIKE 'finetune_qlora-%'",
+        order_by=[{"field_name": "metrics.eval_loss", "ascending": True}],
+    )
+    losses = [(m.name, {x.key: x.value for x in m.metrics}["eval_loss"]) for m in ranked]
+    published = {
+        f"finetune_qlora-{q}": json.loads((run / f"data/finetune_qlora/{q}/metrics.json").read_text())["eval_loss"]
+        for q in ("nf4", "none")
+    }
+    assert sorted(losses, key=lambda x: x[1]) == losses and dict(losses) == published
 
 
 def test_a_dvc_lock_emptied_mid_commit_is_restored_when_snakemake_loads(clone):

@@ -12,7 +12,7 @@ import torch
 from conftest import TINY_MODEL, TRACKED, run_stage
 
 from stages import eval_perplexity, report
-from stages.common import config, registry
+from stages.common import config, digest, registry
 
 STEPS = ["train.steps=4", "train.batch_size=4", "train.micro_batch_size=2", "train.warmup_steps=1"]
 EVAL = ["--input", "data/tokenize", "contexts=[32]", "max_tokens=2000", "batch_size=4"]
@@ -53,9 +53,9 @@ def test_a_published_model_is_a_registered_version_with_its_lineage(in_registry)
     run = client.get_run(version.run_id)
     assert run.data.tags["stage"] == "pretrain" and run.data.tags["registered_model.pretrain"] == str(version.version)
     tags = version.tags
-    assert tags["dvc_md5"] == registry.dvc_md5("data/pretrain/model") and tags["dvc_md5"].endswith(".dir")
-    assert tags["output"] == "data/pretrain" and tags["output_dvc_md5"] == registry.dvc_md5("data/pretrain")
-    assert tags["input.data/tokenize"] == registry.dvc_md5("data/tokenize")
+    assert tags["dvc_md5"] == digest.dvc_md5("data/pretrain/model") and tags["dvc_md5"].endswith(".dir")
+    assert tags["output"] == "data/pretrain" and tags["output_dvc_md5"] == digest.dvc_md5("data/pretrain")
+    assert tags["input.data/tokenize"] == digest.dvc_md5("data/tokenize")
     assert tags["inputs_hash"] == run.data.tags["inputs_hash"] and tags["git_commit"] == run.data.tags["git_commit"]
     assert tags["params_sha256"] == registry.params_sha256(config.as_dict(_pretrain_config(in_registry)))
 

@@ -31,6 +31,7 @@ LAST_LINE_FILE = "PIPELINE_ERROR_FILE"  # "<exit code>\t<line>" of the first pro
 LAUNCH_HOST = "PIPELINE_LAUNCH_HOST"  # the host those files are on
 WORLD_SIZE = "PIPELINE_WORLD_SIZE"  # the processes the launcher started (nproc per node x nodes)
 TIME_FILE = "PIPELINE_TIME_FILE"  # + .rank<N>.json: a rank's times at a good end (stages.common.timing)
+INPUTS = "PIPELINE_INPUTS"  # JSON list: the data deps of the stage in the DAG, which its MLflow run records
 # Read by the launcher or the stage, set by the user or the DAG tools.
 NPROC_PER_NODE = "PIPELINE_NPROC_PER_NODE"  # processes per node for every stage, over its resources
 PREFLIGHT_TIMEOUT = "PIPELINE_PREFLIGHT_TIMEOUT"  # seconds every process has to join one all-reduce

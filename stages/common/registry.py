@@ -1,9 +1,11 @@
 """The MLflow model registry: every published model becomes a version of a registered model, with its lineage.
 
 Names: a stage's model is registered under the stage's name (`pretrain`), a stage's model per item or
-variant as `<stage>-<item>` (`extend_context-yarn-ft`, `finetune_qlora-nf4`). Each version stores the
-Hugging Face folder as an artifact of the stage's run (`models/<name>`: hard links into a local artifact
-store, so no second copy on disk; an upload elsewhere) and carries its lineage as tags:
+variant as `<stage>-<item>` (`extend_context-yarn-ft`, `finetune_qlora-nf4`). Each model is first an MLflow
+logged model of the stage's run, of the same name (stages/common/tracking/models.py: the Hugging Face folder
+as its artifacts, hard links into a local artifact store, so no second copy on disk; the run's params; the
+stage's final metrics), and the version is made from it (source `models:/<model id>`). Both carry its
+lineage as tags:
 
     git_commit        the code that trained it
     dvc_md5           DVC's content hash of the model folder (`<md5>.dir`, as `dvc` computes it)
@@ -24,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import tempfile
 from pathlib import Path
 
 from stages.common import atomic, config, digest, provenance
@@ -35,23 +36,6 @@ ALIAS = "reproduced"
 
 def model_name(stage: str, item: str | None = None) -> str:
     return f"{stage}-{item}" if item else stage
-
-
-def dvc_md5(path: str | Path, root: str | Path | None = None) -> str:
-    """DVC's content hash of a file or folder: `<md5>` or `<md5>.dir`, the value dvc.lock records for it
-    (files DVC ignores under `root`, the repository, are left out as DVC leaves them out)."""
-    from dvc.ignore import DvcIgnoreFilter
-    from dvc_data.hashfile.build import build
-    from dvc_data.hashfile.db import HashFileDB
-    from dvc_objects.fs.local import LocalFileSystem
-
-    fs = LocalFileSystem()
-    path = Path(path).resolve()
-    root = Path(root or Path.cwd()).resolve()
-    ignore = DvcIgnoreFilter(fs, str(root)) if path.is_relative_to(root) else None
-    with tempfile.TemporaryDirectory() as scratch:
-        _, _, obj = build(HashFileDB(fs, scratch), str(path), fs, "md5", dry_run=True, ignore=ignore)
-    return obj.hash_info.value
 
 
 def params_sha256(section: dict) -> str:
@@ -81,21 +65,32 @@ def lineage(output: Path, inputs: list[Path], section: dict, inputs_hash: str) -
     return {
         "git_commit": provenance.git_commit(),
         "output": str(output),
-        "output_dvc_md5": dvc_md5(output),
+        "output_dvc_md5": digest.dvc_md5(output),
         "params_sha256": params_sha256(section),
         "inputs_hash": inputs_hash,
-        **{tag_key(f"input.{p}"): dvc_md5(p) for p in inputs if Path(p).exists()},
+        **{tag_key(f"input.{p}"): digest.dvc_md5(p) for p in inputs if Path(p).exists()},
         **{key: value for p in inputs for key, value in origin(p).items()},  # (a hub base: its commit)
     }
 
 
-def version_record(name: str, folder: Path, tags: dict, description: str) -> dict:
+def version_record(
+    name: str, folder: Path, tags: dict, description: str, item: str | None = None, items: list | tuple = ()
+) -> dict:
     """What registering the model in `folder` as a new version of `name` takes: its folder, its tags (its
-    stage's lineage) with its own `dvc_md5`, taken now, and the registered model's description."""
+    stage's lineage) with its own `dvc_md5`, taken now, the registered model's description, and which of
+    the stage's models it is (`item` of `items`: whose metrics its logged model gets, tracking.models)."""
     folder = Path(folder).resolve()
-    tags = {**tags, "dvc_md5": dvc_md5(folder)}
+    tags = {**tags, "dvc_md5": digest.dvc_md5(folder)}
     content = digest.hash_files([folder])  # (checked again before a later send registers it: tracking.records)
-    return {"name": name, "folder": str(folder), "tags": tags, "description": description, "content": content}
+    return {
+        "name": name,
+        "folder": str(folder),
+        "tags": tags,
+        "description": description,
+        "content": content,
+        "item": item,
+        "items": [i for i in items if i is not None],
+    }
 
 
 def versions_with(name: str, key: str, value: str) -> list:

@@ -175,11 +175,14 @@ def record_tags(section: str, across_code: str | None = None) -> dict:
 @contextlib.contextmanager
 def tracked(section: str, cfg, inputs, rt: runtime.Runtime, tags: dict | None = None):
     """The stage's MLflow run (params: its whole section), tagged with the content hash of `inputs` (paths,
-    or their hash from `inputs_hash`) and the stage's record_tags. Every rank enters it; rank 0 logs, and
+    or their hash from `inputs_hash`) and the stage's record_tags, its data inputs recorded as datasets
+    (stages.common.tracking.datasets). Every rank enters it; rank 0 logs, and
     the first process of each node its system metrics (runs.node_metrics). Yields (tracker, inputs hash)."""
     digest = inputs if isinstance(inputs, str) else inputs_hash(inputs, rt)
+    paths = () if isinstance(inputs, str) else inputs  # (recorded as datasets where no launcher names its deps)
     tags = {**(record_tags(section) if rt.is_main else {}), **(tags or {})}  # (rank 0 opens the run)
-    with timing.entered_in("tracking", runs.start_run(section, config.as_dict(cfg), digest, rt, tags=tags)) as tracker:
+    run = runs.start_run(section, config.as_dict(cfg), digest, rt, tags=tags, inputs=paths)
+    with timing.entered_in("tracking", run) as tracker:
         with timing.entered_in("tracking", runs.node_metrics(tracker, rt)):
             yield tracker, digest
 
@@ -323,6 +326,8 @@ def register_models(
                 Path(folder),
                 tags,
                 f"The {section} stage's model{f' ({item})' if item else ''}, registered by each run.",
+                item,
+                list(models),
             )
             for item, folder in models.items()
         ]

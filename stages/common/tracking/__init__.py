@@ -8,5 +8,6 @@ orphans.py   runs a killed process left RUNNING
 records.py   the kinds of records and how each reaches the store (one table)
 journal.py   the signed file of a run's records, and `python -m stages.common.tracking.journal resend`
 sender.py    the thread that sends a journal while the stage trains
-models.py    a published model folder as a registered model version
+datasets.py  the run's data inputs as MLflow datasets, with their DVC hashes
+models.py    a published model folder as a logged model, and a registered model version made from it
 """

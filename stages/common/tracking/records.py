@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stages.common import digest
-from stages.common.tracking import models
+from stages.common.tracking import datasets, models
 from stages.common.tracking.parents import end_parent
 
 
@@ -108,6 +108,7 @@ KINDS = {
     "metrics": Kind(batch=_metric_items),
     "tags": Kind(batch=_tag_items),
     "text": Kind(send=_send_text),
+    "inputs": Kind(send=datasets.send_inputs),  # the run's data deps as MLflow datasets
     "artifact": Kind(send=_send_artifact, uploads="path"),
     "register": Kind(send=_send_register, uploads="folder"),
     "end": Kind(send=_send_end, last=True),

@@ -9,10 +9,12 @@ import contextlib
 import json
 import os
 import platform
+from pathlib import Path
 
 from stages.common import config, contract, provenance, runtime
 from stages.common.config import UserError
-from stages.common.tracking import journal, orphans, parents, store
+from stages.common.tracking import datasets, journal, orphans, parents, store
+from stages.common.tracking.records import say
 from stages.common.tracking.sender import HTTP_DEFAULTS, Sender, flush_s
 from stages.common.tracking.tracker import NullTracker, RunTracker, Tracker
 
@@ -103,8 +105,9 @@ def _log_params(client, run_id: str, params: dict) -> None:
         client.log_batch(run_id, params=items[i : i + 100])
 
 
-def _open_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, tags: dict) -> RunTracker:
-    """The stage's new run, in the experiment and under its invocation's parent run, its params logged."""
+def _open_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, tags: dict, inputs) -> RunTracker:
+    """The stage's new run, in the experiment and under its invocation's parent run, its params logged and
+    its `inputs` (datasets.stage_inputs) recorded as datasets."""
     import mlflow
     from mlflow.tracking.context.registry import resolve_tags
 
@@ -126,22 +129,37 @@ def _open_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
         run_id = client.create_run(experiment_id, run_name=run_name, tags=resolve_tags(all_tags)).info.run_id
         _log_params(client, run_id, params)
     end = {"parent": parent, "label": run_name, "lock": str(lock)}
-    return RunTracker(run_id, Sender(client, run_id, uri, root, {"stage": stage}, leftovers), end)
+    sender = Sender(client, run_id, uri, root, {"stage": stage}, leftovers)
+    _record_inputs(sender, run_id, datasets.stage_inputs(inputs))
+    return RunTracker(run_id, sender, end)
+
+
+def _record_inputs(sender: Sender, run_id: str, paths: list[str]) -> None:
+    """The run's data inputs as datasets (their paths relative to the folder the stage runs in, as DVC's)."""
+    try:
+        record = datasets.inputs_record(paths, Path.cwd())
+    except Exception as e:  # noqa: BLE001 - a record of the inputs; the stage reads them itself
+        sender.put({"kind": "tags", "tags": {"inputs_error": f"{type(e).__name__}: {e}"[:500]}})
+        say(f"run {run_id}: its inputs are not recorded as datasets ({type(e).__name__}: {e})")
+        return
+    if record:
+        sender.put(record)
 
 
 @contextlib.contextmanager
-def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, tags: dict | None = None):
+def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, tags: dict | None = None, inputs=()):
     """Open the stage's MLflow run on rank 0 (yield a RunTracker; a NullTracker on other ranks), and end it
     as the block ends: FINISHED, KILLED (a stop signal: re-run it) or FAILED.
 
     Tags: stage, git commit, input content hash, pipeline invocation, world size, device; params
-    are the stage's params section; the environment (`pip freeze`) is an artifact.
+    are the stage's params section; the environment (`pip freeze`) is an artifact; its data inputs are
+    datasets with their DVC hashes (the launcher's list of its DAG's deps, else the paths `inputs`).
     """
     if not rt.is_main or store.tracking_off():
         yield NullTracker()
         return
     _check_server()
-    tracker: Tracker = _open_run(stage, params, inputs_hash, rt, tags or {})
+    tracker: Tracker = _open_run(stage, params, inputs_hash, rt, tags or {}, inputs)
     tracker.log_text(provenance.pip_freeze(), "environment/requirements.txt")
     status = "FAILED"
     try:
