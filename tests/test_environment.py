@@ -23,6 +23,15 @@ GNN = "pipelines/packages/gnn.txt"
 LM = "pipelines/packages/lm.txt"
 
 
+@pytest.fixture(autouse=True)
+def installed_found_afresh():
+    """What a test found installed (with fake distributions on sys.path) is forgotten after its sys.path is
+    restored: the tests after it in this process find the environment's own packages."""
+    found = environment.installed  # (the cached function, whatever a test puts in its place)
+    yield
+    found.cache_clear()
+
+
 def install(monkeypatch, **versions) -> None:
     """Fake the installed packages: every version the family files record, but for `versions`
     (name with underscores for dashes: a version, or None for not installed)."""
