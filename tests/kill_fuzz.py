@@ -179,6 +179,14 @@ def check(clone: Path, reference: Path, log=print) -> None:
     theirs = output_hashes(reference)
     differ = sorted(p for p in ours.keys() | theirs.keys() if ours.get(p) != theirs.get(p))
     assert not differ, f"{len(differ)} output files differ from the uninterrupted run: {differ[:20]}"
+    # The uninterrupted run, published as a crate, is what this fresh clone's run checks against: the same
+    # machine, every out identical, the same params, code and environment (pipelines.crate, pipelines.verify).
+    crate = clone.parent / f"{clone.name}-reference.crate.zip"
+    sh(f"python -m pipelines.crate --root {reference} --out {crate}", clone)
+    verified = sh(f"python -m pipelines.verify --against {crate}", clone)
+    outs = [line for line in verified.splitlines() if line.startswith(("identical", "within", "differs", "absent"))]
+    assert outs and all(line.startswith("identical") for line in outs), verified[-3000:]
+    assert "params, code and environment: as in the crate" in verified, verified[-3000:]
     assert UP_TO_DATE in sh("dvc status", clone), sh("dvc status", clone)
     assert "Nothing to be done" in sh("snakemake --cores 2 -n", clone)
     assert not re.findall(r"Running stage '([\w@]+)'", sh("dvc repro", clone)), "dvc repro re-ran a stage"
