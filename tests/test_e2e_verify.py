@@ -176,7 +176,12 @@ def test_registered_versions_deleted_or_beside_a_stray_one_are_broken_and_regist
     (linear,) = client.search_model_versions("name = 'extend_context-linear'")
     client.set_model_version_tag("extend_context-linear", linear.version, "params_sha256", "0" * 64)
     stray = {**linear.tags, "output": "elsewhere/extend_context", "output_dvc_md5": "1" * 32 + ".dir"}
-    client.create_model_version("extend_context-linear", linear.source, linear.run_id, tags=stray)
+    # (a version made from a logged model's `models:/<id>` source: MLflow's SQLite registry looks the model up
+    # through the process's tracking URI, not the client's; as stages.common.tracking.models does)
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    with _use_tracking_uri(client.tracking_uri):
+        client.create_model_version("extend_context-linear", linear.source, linear.run_id, tags=stray)
 
     lines = broken(clone)
     assert len(lines) == 4, lines
