@@ -160,12 +160,8 @@ def test_fsdp_trains_like_one_process_and_resumes_exactly_after_sigkill(base):
     ckpt_root = base / "ckpts"
     env = {"PIPELINE_CHECKPOINTS": str(ckpt_root)}
     finetune(base, "whole", 2, **env)
-    # 2 processes under FSDP2 compute the losses of one process (batches do not depend on world size), and
-    # so do 8 (a node of 8 GPUs: one sequence of the batch of 8 each, no accumulation).
+    # 2 processes under FSDP2 compute the losses of one process (batches do not depend on world size).
     np.testing.assert_allclose(loss_curve(base, "whole"), loss_curve(base, "one"), rtol=1e-4)
-    finetune(base, "eight", 8)
-    print(f"losses at 1, 2 and 8 processes: {[loss_curve(base, n).tolist() for n in ('one', 'whole', 'eight')]}")
-    np.testing.assert_allclose(loss_curve(base, "eight"), loss_curve(base, "one"), rtol=1e-4)
     metrics = json.loads((base / "whole/metrics.json").read_text())
     # FSDP shards the frozen base; the adapters and their 8-bit optimizer states are whole on each rank.
     figures = [json.loads((base / name / "figures.json").read_text()) for name in ("whole", "one")]
