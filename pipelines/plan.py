@@ -20,7 +20,8 @@ or merge (finetune_qlora).
 Processes: GPU stages take one per GPU, up to their `gpus_per_node` (pipelines/stages.yaml), as the
 launcher starts them; on CPUs (`--gpus 0`) their `nproc_per_node`, or --procs. On CPUs every process also
 holds the interpreter with its libraries: the planner measures it (`--process-mb` to give it), as the
-resident memory of a fresh Python that imports the stage and its libraries. Not planned on CPUs: the
+resident memory of a fresh Python that imports the stage and its libraries (kept in .cache/plan/ for
+the same stage code, interpreter, packages and machine: the next plan reads it). Not planned on CPUs: the
 holes glibc's malloc keeps in its heap once its mmap threshold has risen (docs/parallelism.md measures
 them). On GPUs the device also holds the CUDA context and the allocator's slack: `--gpu-reserve` GiB
 (default 1), an allowance.
@@ -37,7 +38,9 @@ Time: the step's FLOPs (pipelines.plan_budget.step_flops) x steps over processes
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -62,6 +65,8 @@ TRAIN_DEFAULTS = {
     "async_checkpoint": True,
 }
 STAGE_LIBRARIES = {"finetune_qlora": ("peft", "bitsandbytes")}
+# Each stage's measured interpreter baseline, by what it follows from (process_baseline)
+BASELINES = Path(__file__).resolve().parent.parent / ".cache" / "plan" / "process-baselines.json"
 # Records of prepare_data's named instruction sources (stages.prepare_data.write_instructions): the Alpaca
 # subset it fetches (sources.ALPACA_5K; the hub's whole train split only where that file cannot be had) and
 # the hub's train split
@@ -244,16 +249,53 @@ def layout_for(machine: Machine):
     return layout_of
 
 
-def process_baseline(section: str, cache: dict) -> int:
+def baseline_key(section: str, libs: tuple[str, ...]) -> str:
+    """What a stage's interpreter baseline follows from: the stage's code, the interpreter, every installed
+    package and its version, the libraries imported beside the stage, and the machine (kernels and their
+    tables follow the CPU)."""
+    from stages.common import environment, provenance
+
+    record = {
+        "section": section,
+        "code": provenance.code_digest(f"stages.{section}")["sha256"],
+        "python": [sys.executable, sys.version],
+        "packages": sorted(environment.installed().items()),
+        "libs": list(libs),
+        "machine": [os.uname().nodename, os.uname().machine, os.cpu_count()],
+    }
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def process_baseline(section: str, cache: dict, store: Path | None = BASELINES) -> int:
     """Resident bytes of a fresh Python that has imported the stage and its libraries (VmHWM): what every
-    process of the stage holds before it builds a tensor."""
+    process of the stage holds before it builds a tensor. Measured once per key (baseline_key) and kept in
+    `store` (a few seconds of imports each; the next plan of the same code and environment reads it)."""
     if section not in cache:
         libs = ("transformers.models.llama.modeling_llama", "matplotlib.pyplot", *STAGE_LIBRARIES.get(section, ()))
+        key = baseline_key(section, libs) if store is not None else None
+        kept = read_baselines(store) if store is not None else {}
+        if key in kept:
+            cache[section] = kept[key]
+            return cache[section]
         code = f"import stages.{section}, " + ", ".join(libs) + "\n"
         code += "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         cache[section] = int(out.stdout.split()[-1]) * 1024
+        if store is not None:
+            from stages.common import atomic
+
+            store.parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_json(store, {**read_baselines(store), key: cache[section]})
     return cache[section]
+
+
+def read_baselines(store: Path) -> dict[str, int]:
+    """{key: bytes} kept by process_baseline; an unreadable file counts as empty (it is only a cache)."""
+    try:
+        kept = json.loads(store.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in kept.items() if isinstance(v, int)} if isinstance(kept, dict) else {}
 
 
 def plan_stage(s: StageSpec, machine: Machine, layout: Layout, baselines: dict) -> dict:

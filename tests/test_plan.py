@@ -5,7 +5,9 @@ micro-batch rule) agree with what they stand for. No training: the model lives o
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -199,3 +201,24 @@ def test_finetune_qlora_holds_its_encoded_records_on_the_host():
     gpu = plan.Machine(gpus=8, gpu_mem=80, host_mem=125, process_mb=PROCESS_MB)
     b = planned(None, gpu, "finetune_qlora@nf4")["finetune_qlora@nf4"]["budget"]
     assert "records" not in b.parts and b.host_parts["records"] == 2 * 8 * 5_000 * seq
+
+
+def test_an_interpreter_baseline_is_measured_once_per_code_and_environment(tmp_path, monkeypatch):
+    store = tmp_path / "baselines.json"
+    spawned = []
+
+    def measure(cmd, **kwargs):
+        spawned.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="123456\n", stderr="")
+
+    monkeypatch.setattr(plan.subprocess, "run", measure)
+    assert plan.process_baseline("pretrain", {}, store) == 123456 * 1024 and len(spawned) == 1
+    assert plan.process_baseline("pretrain", {}, store) == 123456 * 1024 and len(spawned) == 1, "read back"
+    # another key (here: the stage's code changed) is measured again, beside the first
+    monkeypatch.setattr(plan, "baseline_key", lambda section, libs: f"other {section}")
+    assert plan.process_baseline("pretrain", {}, store) == 123456 * 1024 and len(spawned) == 2
+    assert len(json.loads(store.read_text())) == 2
+    # a damaged store is only a cache: measured again and rewritten
+    store.write_text("{not json")
+    assert plan.process_baseline("pretrain", {}, store) == 123456 * 1024 and len(spawned) == 3
+    assert list(json.loads(store.read_text())) == ["other pretrain"]
