@@ -12,6 +12,7 @@
 import importlib.util
 import json
 import os
+import re
 import sys
 import uuid
 from pathlib import Path
@@ -94,7 +95,7 @@ for st in STAGES.values():
             [directory(wildcard(o)) if is_dir(o) else wildcard(o) for o in st.outputs()],
         params:
             # Rules made in a loop must capture per-stage values here: `shell` is evaluated at run time.
-            cmd=wildcard(st.cmd()),
+            cmd=(lambda wc, st=st: st.command(wc.item)) if st.matrix else wildcard(st.cmd()),
             dvc_stage=st.name + ("@{item}" if st.foreach else ""),
             # Recorded by Snakemake, so changing a section re-runs the stage (rerun trigger "params"); records
             # of another run's sections on outputs DVC holds as current are forgotten (pipelines/sync.py).
@@ -108,7 +109,7 @@ for st in STAGES.values():
         # Used with --software-deployment-method apptainer (docs/containers.md).
         container: st.resources["container"]
         wildcard_constraints:
-            item="|".join(st.foreach) or "[^/]+",
+            item="|".join(re.escape(i) for i in st.foreach) or "[^/]+",
         shell:
             "{params.cmd} > {log} 2>&1"
             " && python -m pipelines.commit {params.dvc_stage} >> {log} 2>&1"
@@ -118,7 +119,7 @@ if config.get("dump_rules"):
     # The rules exactly as Snakemake holds them, for tests/test_dag.py.
     with open(config["dump_rules"], "w") as fh:
         json.dump({r.name: {"input": [str(i) for i in r.input], "output": [str(o) for o in r.output],
-                            "params": json.loads(r.params.sections), "cmd": r.params.cmd, "foreach": list(STAGES[r.name].foreach) if r.name in STAGES else None,
+                            "params": json.loads(r.params.sections), "cmd": r.params.cmd if isinstance(r.params.cmd, str) else {i: STAGES[r.name].command(i) for i in STAGES[r.name].foreach}, "foreach": list(STAGES[r.name].foreach) if r.name in STAGES else None,
                             "container": r.container_img,
                             "resources": {k: v.value for k, v in r.resources.items() if not (k.startswith("_") or v.is_evaluable())}}
                    for r in workflow.rules if r.name != "all"}, fh, indent=1)

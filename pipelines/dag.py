@@ -38,7 +38,7 @@ from pathlib import Path
 import yaml
 
 from pipelines import lock
-from stages.common import environment
+from stages.common import config, environment, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = ROOT / "pipelines" / "stages.yaml"
@@ -92,6 +92,16 @@ class Stage:
     foreach: tuple[str, ...] = ()
     collect: bool = False
     measured: tuple[str, ...] = ()  # of MEASURED_KINDS
+    module: str = ""  # the stage module it runs (stages.<module>): its own name unless a sweep's
+    # A sweep's points (stages.common.sweep): DVC's matrix, (name, values) per grid key, and per point the
+    # params overrides its command ends with, {point: ((key, value as text), ...)}
+    matrix: tuple = ()
+    sets: dict = field(default_factory=dict)
+    sweep: str = ""  # the sweep a point or comparison stage belongs to
+
+    def runs(self) -> str:
+        """The module `python -m stages.<module>` the launcher starts."""
+        return self.module or self.name
 
     def measured_files(self) -> tuple[str, ...]:
         """measured/<stage>.<kind> (measured/<stage>/${item}.<kind> per item): uncached outs."""
@@ -114,8 +124,22 @@ class Stage:
         return [fill(d, item).rstrip("/") for d in self.deps if d.startswith("data/")]
 
     def cmd(self) -> str:
+        """The command, `${item}` standing for the item (a sweep's point: its values follow as key=value)."""
         args = self.args + (f" --measured {self.measured_files()[0]}" if self.measured else "")
+        args += "".join(f" {key}=${{item.{alias}}}" for key, alias in self.overrides())
         return f"{LAUNCH} {self.name}{'@${item}' if self.foreach else ''} {args.strip()}".strip()
+
+    def overrides(self) -> list[tuple[str, str]]:
+        """(params key, DVC matrix name) of a sweep's grid keys, in order."""
+        first = next(iter(self.sets.values()), ())
+        return [(key, alias) for (key, _), (alias, _) in zip(first, self.matrix, strict=True)]
+
+    def command(self, item: str | None) -> str:
+        """The command of one instance: `${item}` filled, and a sweep point's values."""
+        text = fill(self.cmd(), item)
+        for (_, value), (alias, _) in zip(self.sets.get(item, ()), self.matrix, strict=False):
+            text = text.replace(f"${{item.{alias}}}", value)
+        return text
 
 
 def check_params(params: str | Path = "params.yaml", memo: Path | None = None) -> None:
@@ -268,6 +292,69 @@ def load_table(path: Path = TABLE, params: Path | None = None) -> dict[str, Stag
             if measured:
                 args += f" --measured-inputs {' '.join(measured)}"
             stages[name] = Stage(**{**st.__dict__, "deps": st.deps + tuple(outs + measured), "args": args.strip()})
+    # The sweeps params.yaml declares: their points and comparisons, outside what the report collects.
+    params_file = params or root / "params.yaml"
+    declared = parse_yaml(params_file.read_text()) if params_file.is_file() else {}
+    once = {name for name, st in stages.items() if not (st.foreach or st.collect)}
+    for sw in sweep.load(declared or {}, once, where=str(params_file)).values():
+        stages |= sweep_stages(sw, stages[sw.stage], code_deps(root, (COMPARE_MODULE,))[COMPARE_MODULE])
+    return stages
+
+
+SWEEPS_DIR = "data/sweeps"
+COMPARE_MODULE = "stages.sweep_compare"
+
+
+def sweep_stages(sw, swept: Stage, compare_deps: tuple[str, ...]) -> dict[str, Stage]:
+    """A sweep's two stages: `sweep_<name>`, the swept stage once per point into data/sweeps/<name>/<point>
+    (its params overrides at the end of its command), and `sweep_<name>_compare`, the table of the points."""
+    if len(swept.outs) != 1:
+        raise config.ConfigError(
+            f"params.yaml: sweeps.{sw.name}.stage: {swept.name} writes {len(swept.outs)} outputs; a sweep runs a "
+            f"stage of one output folder"
+        )
+    out, folder = swept.outs[0], f"{SWEEPS_DIR}/{sw.name}/${{item}}"
+
+    def moved(text: str) -> str:
+        return re.sub(rf"(?<![\w/]){re.escape(out)}(?=/|\s|$)", folder, text)
+
+    aliases = sw.aliases()
+    points = sw.points()
+    name = f"sweep_{sw.name}"
+    plots = tuple(moved(p) if isinstance(p, str) else {moved(k): v for k, v in p.items()} for p in swept.plots)
+    stages = {
+        name: Stage(
+            name=name,
+            args=moved(swept.args),
+            deps=swept.deps,
+            params=swept.params,
+            outs=(folder,),
+            metrics=tuple(moved(m) for m in swept.metrics),
+            plots=plots,
+            resources=swept.resources,
+            foreach=tuple(points),
+            measured=swept.measured,
+            module=swept.runs(),
+            matrix=tuple((aliases[key], list(values)) for key, values in sw.grid),
+            sets={p: tuple((key, sweep.as_text(v)) for key, v in values.items()) for p, values in points.items()},
+            sweep=sw.name,
+        )
+    }
+    compared = f"{SWEEPS_DIR}/{sw.name}/compare"
+    point_outs = [f"{SWEEPS_DIR}/{sw.name}/{p}" for p in points]
+    listed = " ".join(f"{p}={o}" for p, o in zip(points, point_outs, strict=True))
+    stages[f"{name}_compare"] = Stage(
+        name=f"{name}_compare",
+        args=f"--sweep {sw.name} --points {listed} --output {compared}",
+        deps=tuple(point_outs) + compare_deps + (PACKAGES.format(family=family(swept.resources)),),
+        params=(f"sweeps.{sw.name}",),
+        outs=(compared,),
+        metrics=(f"{compared}/metrics.json",),
+        plots=(f"{compared}/plots/{sw.metric}.png",),
+        resources={**swept.resources, "nodes": 1, "nproc_per_node": 1, "gpus_per_node": 0, "runtime_min": 10},
+        module="sweep_compare",
+        sweep=sw.name,
+    )
     return stages
 
 
@@ -321,6 +408,7 @@ def family_packages(stages: dict[str, Stage]) -> dict[str, str]:
     providers = importlib.metadata.packages_distributions()
     pinned = {normalized(pin.name): f"{pin.name}=={pin.version}" for pin in lock.parse(LOCK.read_text())}
     texts = {}
+    stages = {name: st for name, st in stages.items() if not st.module}  # (a sweep's stages: the table's)
     for fam in sorted({family(st.resources) for st in stages.values()}):
         imported = set()
         for st in stages.values():
@@ -355,7 +443,11 @@ def dvc_document(stages: dict[str, Stage]) -> dict:
         if st.params:
             body["params"] = list(st.params)
         body["outs"] = list(st.outs) + [{path: {"cache": False}} for path in st.measured_files()]
-        out["stages"][st.name] = {"foreach": list(st.foreach), "do": body} if st.foreach else body
+        if st.matrix:  # (DVC names a matrix's stages by their values, `${key}`; pipelines/dag.py's ${item})
+            body = parse_yaml(yaml.safe_dump(body, sort_keys=False).replace("${item}", "${key}"))
+            out["stages"][st.name] = {"matrix": dict(st.matrix), **body}
+        else:
+            out["stages"][st.name] = {"foreach": list(st.foreach), "do": body} if st.foreach else body
         for _, item in st.instances():
             metrics += [fill(m, item) for m in st.metrics]
             plots += [fill(p, item) for p in st.plots]
@@ -412,7 +504,7 @@ def snakemake_view(root: Path) -> dict[str, dict]:
             # Snakemake writes wildcard constraints into output patterns: {item,a|b}.
             sub = (lambda t: t) if item is None else (lambda t, i=item: re.sub(r"\{item(,[^}]*)?\}", i, t))
             view[name if item is None else f"{name}@{item}"] = {
-                "cmd": sub(rule["cmd"]),
+                "cmd": rule["cmd"][item] if isinstance(rule["cmd"], dict) else sub(rule["cmd"]),
                 "deps": sorted(sub(i) for i in rule["input"]),
                 "params": sorted(rule["params"]),
                 "outs": sorted(sub(o) for o in rule["output"]),

@@ -261,10 +261,11 @@ def command(stage: str, args: list[str], env: dict | None = None) -> list[str]:
     env = os.environ if env is None else env
     name = stage.split("@", 1)[0]
     nproc, nodes = processes(stage, env)
-    refusal = layout_problem(name, args, nproc * nodes)
+    runs = load_table()[name].runs()  # (a sweep's points run the swept stage's module)
+    refusal = layout_problem(runs, args, nproc * nodes)
     if refusal:
         raise Refused(refusal)
-    module = ["-m", f"stages.{name}", *args]
+    module = ["-m", f"stages.{runs}", *args]
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     if nodes > 1:
         if not env.get("SLURM_JOB_ID"):
@@ -381,7 +382,7 @@ def stale_dag(stage: str, args: list[str], env: dict) -> str | None:
     if " ".join([*LAUNCH.split(), stage, *args]) != " ".join(recorded.split()):
         return None  # (not dvc.yaml's command: a run by hand)
     table = load_table()
-    wanted = fill(table[name].cmd(), item or None) if name in table else None
+    wanted = table[name].command(item or None) if name in table else None
     if wanted is not None and " ".join(wanted.split()) == " ".join(recorded.split()):
         return None
     return (
@@ -398,9 +399,19 @@ def data_inputs(label: str) -> str:
     return json.dumps(table[name].data_deps(item or None) if name in table else [])
 
 
+def sweep_parent(stage: str) -> None:
+    """The MLflow parent of a sweep's runs is the sweep's own (PIPELINE_RUN_ID `sweep-<name>`), not the
+    invocation's: its points, run by any number of invocations (a point added later), nest under one parent."""
+    table = load_table()
+    name = stage.partition("@")[0]
+    if name in table and table[name].sweep:
+        os.environ["PIPELINE_RUN_ID"] = f"sweep-{table[name].sweep}"
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
+    sweep_parent(sys.argv[1])
     try:
         stale = stale_dag(sys.argv[1], sys.argv[2:], os.environ)
         if stale:

@@ -156,7 +156,7 @@ def param(params: dict, key: str):
 def declared(st: Stage, name: str, item: str | None, params: dict) -> tuple[set[str], list[str]]:
     """What Snakemake records of a stage instance's run that can differ from one run to the next: the
     rule's params (the command, the DVC stage name, the params sections; the Snakefile) and its inputs."""
-    return {fill(st.cmd(), item), name, rule_sections(st, params)}, sorted(fill(d, item) for d in st.deps)
+    return {st.command(item), name, rule_sections(st, params)}, sorted(fill(d, item) for d in st.deps)
 
 
 def records_of_other_runs(status: dict, root: Path = Path(".")) -> list[str]:
