@@ -30,6 +30,9 @@ def preset_path(name: str) -> Path:
 
 def _overlay(target, overlay, where: str) -> None:
     for key, value in overlay.items():
+        if where == "" and key == "sweeps":  # (its entries are the preset's own: named by it, not changed keys)
+            target[key] = value
+            continue
         if key not in target:
             raise SystemExit(f"preset: {where}{key} is not in params.yaml; presets may only change existing keys")
         if isinstance(value, dict):

@@ -200,6 +200,12 @@ HOW: dict[str, tuple[str, str]] = {
     "python -m pipelines.dag check": ("run", ""),
     "make lint": ("make", ""),
     "dvc dag --mermaid": ("run", ""),
+    # docs/sweeps.md
+    "python -m pipelines.preset sweep-lr": ("marked", "rewrites params.yaml (tests/test_sweeps.py declares a sweep)"),
+    "python -m pipelines.preset sweep-context": ("marked", "rewrites params.yaml (tests/test_config.py loads it)"),
+    "snakemake --cores all sweep_lr_compare": ("marked", "a sweep declared first (tests/test_sweeps.py runs one)"),
+    "dvc repro sweep_lr_compare": ("marked", "a sweep declared first (tests/test_sweeps.py runs one)"),
+    "snakemake --profile pipelines/profiles/slurm sweep_lr_compare": ("marked", SLURM + ", a sweep declared"),
     # docs/troubleshooting.md
     "apt-get install python3.11-venv": ("marked", "a system package: root and network"),
     "rm -rf .venv": ("marked", "removes the environment the tests run in"),

@@ -10,7 +10,7 @@ from conftest import ROOT, run_stage
 
 from pipelines import preset
 from pipelines.dag import load_table
-from stages.common import config
+from stages.common import config, sweep
 
 
 def stage_configs(sections) -> dict:
@@ -31,7 +31,10 @@ def test_every_section_of_every_shipped_file_loads(source):
     data = shipped_params()[source]
     missing = set(load_table()) - set(data)
     assert not missing, f"{source}: no section for the DAG stage(s) {sorted(missing)}"
-    configs = stage_configs(data)
+    # (sweeps: not a stage's section; each declared sweep is checked against the stages that run once)
+    table = load_table()
+    sweep.load(data, {name for name, st in table.items() if not (st.foreach or st.collect)}, source)
+    configs = stage_configs({k: v for k, v in data.items() if k != "sweeps"})
     for section, cls in configs.items():
         cfg = config.build(cls, section, data[section], source)
         with pytest.raises(FrozenInstanceError):
