@@ -17,6 +17,12 @@ A stage's dependencies are the table's data deps plus two kinds the table does n
     this file before any compute (stages.common.environment), so what dvc.lock records is what ran.
 The launcher (`python -m pipelines.launch`) is how a stage is started, not what it computes: not a dep.
 
+A sweep declared in params.yaml (stages.common.sweep) adds two stages for both tools: `sweep_<name>`, the
+swept stage once per point (DVC's `matrix`, its stages named by the points' values; one Snakemake rule
+with the points as its `{item}`), writing data/sweeps/<name>/<point> and ending its command with the
+point's values as overrides; and `sweep_<name>_compare` (stages.sweep_compare), after every point. The
+report does not collect them.
+
 What a stage measures (`measured` in the table: throughput, seconds, peak memory) is written outside its
 outputs, to measured/<stage>.json (measured/<stage>/<item>.json per item; and .png for a plot), passed as
 `--measured`. DVC records it as an out it does not cache (`cache: false`), to be committed to git with

@@ -54,6 +54,9 @@ bytes differ (a damaged object of DVC's cache checked out by `dvc pull`, a file 
 its size and time kept: both pass DVC's own checks) stops the stage before it starts, in one line with
 the mend, exit code 2.
 
+A sweep's point (`sweep_<name>@<point>`, pipelines/dag.py) runs the swept stage's module; the MLflow runs of
+a sweep nest under the sweep's own parent run (PIPELINE_RUN_ID `sweep-<name>`), whichever invocation runs them.
+
 Outside Snakemake (under `dvc repro`), a stage that succeeds also drops Snakemake's provenance records
 of its outputs: they describe the previous Snakemake run, and would make Snakemake re-run a stage
 that DVC has just brought up to date. Without them Snakemake judges those outputs by modification time.
