@@ -102,7 +102,8 @@ def check(name, entry, stages: set[str] | None, where: str) -> Sweep:
                     f"'.', '+' and '_'"
                 )
         texts = [as_text(v) for v in values]
-        if len(set(texts)) != len(texts):
+        distinct = {as_text(v) if isinstance(v, (bool, str)) else float(v) for v in values}  # (1 and 1.0 alike)
+        if len(distinct) != len(texts):
             raise ConfigError(f"{at}.grid.{key}: the values {texts} repeat one")
         pairs.append((key, tuple(values)))
     metric, goal = entry["metric"], entry["goal"]
