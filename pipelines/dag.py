@@ -171,7 +171,16 @@ def check_params(params: str | Path = "params.yaml", memo: Path | None = None) -
         digest = h.hexdigest()
         if memo.is_file() and memo.read_text() == digest:
             return
-    for st in load_table().values():
+    for st in load_table(params=Path(params)).values():
+        if st.sweep:  # each point: the swept stage's section with the point's values (the comparison has none)
+            for values in st.sets.values():
+                where = f"sweeps.{st.sweep} ({' '.join(f'{k}={v}' for k, v in values)})"
+                try:
+                    module = importlib.import_module(f"stages.{st.runs()}")
+                    config.load(module.Config, st.runs(), params, [f"{k}={v}" for k, v in values])
+                except config.ConfigError as e:
+                    raise config.ConfigError(f"{where}: {e}") from None
+            continue
         config.load(importlib.import_module(f"stages.{st.name}").Config, st.name, params)
     if memo is not None:
         memo.parent.mkdir(parents=True, exist_ok=True)

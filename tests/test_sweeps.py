@@ -50,7 +50,7 @@ def test_a_bad_declaration_is_one_error_naming_the_key(entry, says):
 
 def test_the_table_makes_a_stage_per_point_and_a_comparison(tmp_path):
     params = tmp_path / "params.yaml"
-    params.write_text((dag.ROOT / "params.yaml").read_text() + "\n" + yaml.safe_dump({"sweeps": {"lr": LR}}))
+    params.write_text(with_sweeps((dag.ROOT / "params.yaml").read_text(), {"lr": LR}))
     stages = dag.load_table(params=params)
     points, compare = stages["sweep_lr"], stages["sweep_lr_compare"]
     assert points.instances() == [(f"sweep_lr@{p}", p) for p in ("0.001", "0.003", "0.01")]
@@ -69,14 +69,18 @@ def test_the_table_makes_a_stage_per_point_and_a_comparison(tmp_path):
     assert "matrix:" in stage and "train.lr=${item.lr}" in stage and "data/sweeps/lr/${key}" in stage
 
 
+def with_sweeps(params: str, sweeps: dict) -> str:
+    """params.yaml's text with its sweeps section (the last, with its comments) replaced by `sweeps`."""
+    return params.split("\nsweeps:")[0] + "\n" + yaml.safe_dump({"sweeps": sweeps})
+
+
 def planned_points(out: str) -> set[str]:
     return set(re.findall(r"Running stage '(sweep_lr@[^']+)'", out))
 
 
 def declare(clone: Path, values: list[float]) -> None:
     params = clone / "params.yaml"
-    text = params.read_text().split("\nsweeps:")[0]
-    params.write_text(text + "\n" + yaml.safe_dump({"sweeps": {"lr": {**LR, "grid": {"train.lr": values}}}}))
+    params.write_text(with_sweeps(params.read_text(), {"lr": {**LR, "grid": {"train.lr": values}}}))
     sh("python -m pipelines.dag write", clone)
 
 
@@ -85,7 +89,8 @@ def lock_md5s(clone: Path) -> dict[str, str]:
     return {name: entry["outs"][0]["md5"] for name, entry in stages.items() if name.startswith("sweep_lr")}
 
 
-@pytest.mark.e2e
+@pytest.mark.long
+@pytest.mark.timeout(1500)
 def test_a_sweep_runs_alike_under_both_tools_and_a_new_point_runs_alone(tmp_path):
     smk, dvc = copy_of_run(tmp_path / "smk"), copy_of_run(tmp_path / "dvc")
     for clone in (smk, dvc):
@@ -133,3 +138,11 @@ def test_a_sweep_runs_alike_under_both_tools_and_a_new_point_runs_alone(tmp_path
     points = [r for r in children if r.data.tags.get("stage") == "pretrain"]
     assert sorted(float(r.data.params["train.lr"]) for r in points) == [1e-3, 3e-3, 1e-2, 3e-2]
     assert all(r.info.status == "FINISHED" for r in children)
+
+
+def test_a_point_whose_values_the_stage_refuses_stops_both_tools_before_any_job(tmp_path):
+    params = tmp_path / "params.yaml"
+    bad = {**LR, "grid": {"train.lr": [0.001, "fast"]}}
+    params.write_text(with_sweeps((dag.ROOT / "params.yaml").read_text(), {"lr": bad}))
+    with pytest.raises(ConfigError, match=r"sweeps\.lr \(train\.lr=fast\): .*pretrain\.train\.lr"):
+        dag.check_params(params)
