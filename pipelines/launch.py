@@ -411,6 +411,15 @@ def sweep_parent(stage: str) -> None:
         os.environ["PIPELINE_RUN_ID"] = f"sweep-{table[name].sweep}"
 
 
+def sweep_point(stage: str) -> dict[str, str]:
+    """{contract.SWEEP: the point's sweep, name and values} for a sweep's point; {} for any other stage."""
+    name, _, item = stage.partition("@")
+    st = load_table().get(name)
+    if st is None or not st.sweep or item not in st.sets:
+        return {}
+    return {contract.SWEEP: json.dumps({"sweep": st.sweep, "point": item, "values": dict(st.sets[item])})}
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
@@ -472,6 +481,7 @@ def main() -> None:
             contract.WORLD_SIZE: str(nproc * nodes),  # what the stage's preflight expects
             contract.TIME_FILE: str(times),
             contract.INPUTS: data_inputs(sys.argv[1]),
+            **sweep_point(sys.argv[1]),
         },
     )
     warned, forwarded = [], []

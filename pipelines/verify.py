@@ -330,10 +330,11 @@ def published(stage: str, out: Path) -> list[str]:
     section, _, item = stage.partition("@")
     if section == "base":  # a copy of another's model, not registered: data/base/meta.json names its source
         return []
-    folder = out / "model"
+    folder, name = out / "model", registry.model_name(section, item or None)
     if (folder / "config.json").is_file():
-        return [registry.model_name(section, item or None)]
-    return sorted(registry.model_name(section, p.parent.name) for p in folder.glob("*/config.json"))
+        return [name]
+    # (variants: `extend_context-yarn`, or a sweep point's `sweep_context-2.0-yarn`)
+    return sorted(registry.model_name(name, p.parent.name) for p in folder.glob("*/config.json"))
 
 
 def published_models(root: Path, lock: dict) -> dict[str, tuple[str, str, str]]:
@@ -511,6 +512,7 @@ def check_recorded_environments(root: Path, lock: dict, r: Report) -> None:
     from stages.common import environment
 
     now: dict[str, dict] = {}
+    table = load_table(root / "pipelines" / "stages.yaml", root / "params.yaml")
     for path, (stage, _) in sorted(lock_outs(lock).items()):
         if path.startswith(f"{MEASURED_DIR}/") or not (root / path / "meta.json").is_file():
             continue
@@ -520,6 +522,7 @@ def check_recorded_environments(root: Path, lock: dict, r: Report) -> None:
                    "recorded theirs): not compared")  # fmt: skip
             continue
         section = stage.partition("@")[0]
+        section = table[section].runs() if section in table else section  # (a sweep's point: the swept stage's)
         if section not in now:
             now[section] = environment.run_record(section, root)
         changes = environment.record_changes(record, now[section])

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from shared_run import copy_of_run, sh
+from test_e2e import snakemake_ran
 
 from pipelines import dag
 from stages.common import sweep
@@ -97,7 +98,7 @@ def test_a_sweep_runs_alike_under_both_tools_and_a_new_point_runs_alone(tmp_path
         declare(clone, LR["grid"]["train.lr"])
         assert "define the same stages" in sh("python -m pipelines.dag check", clone)
     out = sh("snakemake --profile pipelines/profiles/local", smk)
-    assert set(re.findall(r"^\s*rule (\w+):", out, re.M)) - {"all"} == {"sweep_lr", "sweep_lr_compare"}, out[-3000:]
+    assert snakemake_ran(out) == {"sweep_lr", "sweep_lr_compare"}, out[-3000:]
     out = sh("dvc repro", dvc)
     assert planned_points(out) == {"sweep_lr@0.001", "sweep_lr@0.003", "sweep_lr@0.01"}, out[-3000:]
     # one record per point and the comparison, the same bytes under both tools
@@ -118,7 +119,7 @@ def test_a_sweep_runs_alike_under_both_tools_and_a_new_point_runs_alone(tmp_path
     for clone in (smk, dvc):
         declare(clone, [*LR["grid"]["train.lr"], 3.0e-2])
     out = sh("snakemake --profile pipelines/profiles/local", smk)
-    assert set(re.findall(r"^\s*rule (\w+):", out, re.M)) - {"all"} == {"sweep_lr", "sweep_lr_compare"}
+    assert snakemake_ran(out) == {"sweep_lr", "sweep_lr_compare"}
     assert re.findall(r"wildcards: item=(\S+)", out) == ["0.03"], out[-3000:]
     assert planned_points(sh("dvc repro", dvc)) == {"sweep_lr@0.03"}
     after = lock_md5s(smk)
@@ -135,9 +136,23 @@ def test_a_sweep_runs_alike_under_both_tools_and_a_new_point_runs_alone(tmp_path
     (parent,) = client.search_runs([exp], "tags.pipeline_run = 'sweep-lr' and tags.pipeline_role = 'parent'")
     runs = client.search_runs([exp], max_results=1000)
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    points = [r for r in children if r.data.tags.get("stage") == "pretrain"]
-    assert sorted(float(r.data.params["train.lr"]) for r in points) == [1e-3, 3e-3, 1e-2, 3e-2]
-    assert all(r.info.status == "FINISHED" for r in children)
+    points = {r.info.run_name: r for r in children if r.data.tags.get("stage") == "pretrain"}
+    assert sorted(points) == ["sweep_lr@0.001", "sweep_lr@0.003", "sweep_lr@0.01", "sweep_lr@0.03"]
+    for name, run in points.items():  # the point's values as params (the stage's section) and as tags
+        value = name.partition("@")[2]
+        assert run.data.params["train.lr"] == run.data.tags["sweep.train.lr"] == value, run.data.tags
+        assert run.data.tags["sweep"] == "lr" and run.data.tags["sweep.point"] == value
+    assert all(r.info.status == "FINISHED" for r in children) and len(children) == 6, "4 points, 2 comparisons"
+    # each point's model is a model of its own, and the sweep's models rank by their validation loss
+    ranked = client.search_logged_models(
+        experiment_ids=[exp],
+        filter_string="name LIKE 'sweep_lr-%'",
+        order_by=[{"field_name": "metrics.val_loss", "ascending": True}],
+    )
+    best = json.loads((smk / "data/sweeps/lr/compare/metrics.json").read_text())["best_point"]
+    assert [m.name for m in ranked][0] == f"sweep_lr-{best}" and len(ranked) == 4
+    assert {m.name for m in client.search_registered_models()} >= {f"sweep_lr-{p[9:]}" for p in points}
+    assert "every link holds" in sh("python -m pipelines.verify", smk)
 
 
 def test_a_point_whose_values_the_stage_refuses_stops_both_tools_before_any_job(tmp_path):

@@ -9,6 +9,7 @@ library: a tool that reads files imports this without loading torch.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
 import socket
@@ -32,6 +33,7 @@ LAUNCH_HOST = "PIPELINE_LAUNCH_HOST"  # the host those files are on
 WORLD_SIZE = "PIPELINE_WORLD_SIZE"  # the processes the launcher started (nproc per node x nodes)
 TIME_FILE = "PIPELINE_TIME_FILE"  # + .rank<N>.json: a rank's times at a good end (stages.common.timing)
 INPUTS = "PIPELINE_INPUTS"  # JSON list: the data deps of the stage in the DAG, which its MLflow run records
+SWEEP = "PIPELINE_SWEEP"  # JSON {"sweep", "point", "values": {key: value}}: the sweep point the stage runs
 # Read by the launcher or the stage, set by the user or the DAG tools.
 NPROC_PER_NODE = "PIPELINE_NPROC_PER_NODE"  # processes per node for every stage, over its resources
 PREFLIGHT_TIMEOUT = "PIPELINE_PREFLIGHT_TIMEOUT"  # seconds every process has to join one all-reduce
@@ -151,3 +153,19 @@ def try_lock(path: Path) -> tuple[IO | None, str]:
     handle.write(f"{identity()}\n")
     handle.flush()
     return handle, ""
+
+
+def sweep_point() -> dict | None:
+    """The sweep point this stage runs (pipelines.launch sets SWEEP for a sweep's point), or None."""
+    text = os.environ.get(SWEEP)
+    if not text:
+        return None
+    point = json.loads(text)
+    return point if isinstance(point, dict) and {"sweep", "point", "values"} <= set(point) else None
+
+
+def model_prefix(section: str) -> str:
+    """The registered-model name of a stage's model (`<section>`), or of a sweep point's (`sweep_<name>-<point>`:
+    a point's model is not another version of the swept stage's)."""
+    point = sweep_point()
+    return f"sweep_{point['sweep']}-{point['point']}" if point else section

@@ -312,7 +312,8 @@ def register_models(
     tracker, section: str, cfg, models: dict, output, inputs: list, digest: str, across_code: str | None = None
 ) -> None:
     """Register each model folder the stage published in `output` ({item or None: folder}) in the MLflow
-    model registry as `<section>` or `<section>-<item>`, with its lineage (stages/common/registry.py).
+    model registry as `<section>` or `<section>-<item>` (a sweep point's: `sweep_<name>-<point>[-<item>]`),
+    with its lineage (stages/common/registry.py).
     Rank 0 with a run open."""
     if not tracker:
         return
@@ -322,7 +323,7 @@ def register_models(
         tags |= {k: v for k, v in record_tags(section, across_code).items() if not k.startswith(versions)}
         records = [
             registry.version_record(
-                registry.model_name(section, item),
+                registry.model_name(contract.model_prefix(section), item),
                 Path(folder),
                 tags,
                 f"The {section} stage's model{f' ({item})' if item else ''}, registered by each run.",

@@ -96,6 +96,13 @@ def _run_tags(stage: str, inputs_hash: str, rt: runtime.Runtime, group: str | No
     }
 
 
+def _sweep_tags(point: dict | None) -> dict:
+    if not point:
+        return {}
+    values = {f"sweep.{key}": str(value) for key, value in point["values"].items()}
+    return {"sweep": point["sweep"], "sweep.point": point["point"], **values}
+
+
 def _log_params(client, run_id: str, params: dict) -> None:
     from mlflow.entities import Param
 
@@ -124,8 +131,9 @@ def _open_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
         # A stage run once per item (eval_perplexity@pretrain, finetune_qlora@nf4) is named with its item,
         # as the launcher passes it on.
         label = os.environ.get("PIPELINE_STAGE", "")
-        run_name = label if label.partition("@")[0] == stage else stage
-        all_tags = {**_run_tags(stage, inputs_hash, rt, group, parent), **tags}
+        point = contract.sweep_point()  # (a sweep's point: named by it, its values as tags for the compare view)
+        run_name = label if label.partition("@")[0] == stage or point else stage
+        all_tags = {**_run_tags(stage, inputs_hash, rt, group, parent), **_sweep_tags(point), **tags}
         run_id = client.create_run(experiment_id, run_name=run_name, tags=resolve_tags(all_tags)).info.run_id
         _log_params(client, run_id, params)
     end = {"parent": parent, "label": run_name, "lock": str(lock)}
