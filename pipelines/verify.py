@@ -235,10 +235,11 @@ def current_section(stage: str, root: Path) -> dict:
 
     name, _, item = stage.partition("@")
     table = load_table(root / "pipelines/stages.yaml")
-    args = fill(table[name].args, item or None)
-    overrides = [a for a in args.split() if "=" in a and not a.startswith("-")]
-    cls = importlib.import_module(f"stages.{name}").Config
-    return config.as_dict(config.load(cls, name, root / "params.yaml", overrides))
+    st = table[name]
+    args = st.command(item or None).split()[4:]  # (a sweep's point: its values at the end)
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    cls = importlib.import_module(f"stages.{st.runs()}").Config
+    return config.as_dict(config.load(cls, st.runs(), root / "params.yaml", overrides))
 
 
 def differing_outs(root: Path, lock: dict) -> dict[str, list[tuple[str, str | None, Path | None]]]:

@@ -16,7 +16,7 @@ from shared_run import copy_of_run, sh
 from test_e2e import snakemake_ran
 
 from pipelines import dag
-from stages.common import sweep
+from stages.common import registry, sweep
 from stages.common.config import ConfigError
 
 LR = {"stage": "pretrain", "grid": {"train.lr": [1.0e-3, 3.0e-3, 1.0e-2]}, "metric": "final_val_loss", "goal": "min"}
@@ -150,8 +150,10 @@ def test_a_sweep_runs_alike_under_both_tools_and_a_new_point_runs_alone(tmp_path
         order_by=[{"field_name": "metrics.val_loss", "ascending": True}],
     )
     best = json.loads((smk / "data/sweeps/lr/compare/metrics.json").read_text())["best_point"]
-    assert [m.name for m in ranked][0] == f"sweep_lr-{best}" and len(ranked) == 4
-    assert {m.name for m in client.search_registered_models()} >= {f"sweep_lr-{p[9:]}" for p in points}
+    assert [m.name for m in ranked][0] == registry.model_name("sweep_lr", best) == f"sweep_lr-{best.replace('.', '_')}"
+    assert len(ranked) == 4, [m.name for m in ranked]
+    registered = {m.name for m in client.search_registered_models()}
+    assert registered >= {registry.model_name("sweep_lr", p.partition("@")[2]) for p in points}
     assert "every link holds" in sh("python -m pipelines.verify", smk)
 
 

@@ -35,7 +35,9 @@ ALIAS = "reproduced"
 
 
 def model_name(stage: str, item: str | None = None) -> str:
-    return f"{stage}-{item}" if item else stage
+    """`<stage>` or `<stage>-<item>`, with the characters MLflow refuses in a model's name (/ : . % " ') as _
+    (a sweep point's `sweep_lr-0.001` is registered as `sweep_lr-0_001`)."""
+    return re.sub(r"[/:.%\"']", "_", f"{stage}-{item}" if item else stage)
 
 
 def params_sha256(section: dict) -> str:
