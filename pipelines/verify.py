@@ -229,6 +229,13 @@ def status_failure(root: Path) -> tuple[str, str]:
     return error, "dvc status (its error names what to mend)"
 
 
+def stage_module(stage: str, root: Path) -> str:
+    """The module a stage instance runs (`pretrain` for a sweep's point `sweep_lr@0.001`)."""
+    name = stage.partition("@")[0]
+    table = load_table(root / "pipelines/stages.yaml")
+    return table[name].runs() if name in table else name
+
+
 def current_section(stage: str, root: Path) -> dict:
     """The params section a stage instance reads in `root`, its item's overrides applied."""
     from stages.common import config
@@ -415,7 +422,7 @@ def check_registry(root: Path, lock: dict, r: Report) -> None:
             fix = f"fix the code it imports (python -c 'import {module}' shows where it fails)"
             r.bad("registry", f"{where} v{version.version}: {problem}", fix)
             continue
-        code = ckpt.writer_record(f"stages.{stage.split('@')[0]}")["code_sha256"]
+        code = ckpt.writer_record(f"stages.{stage_module(stage, root)}")["code_sha256"]
         problems = []
         if version.tags.get("params_sha256") != params:
             problems.append(f"params_sha256 {version.tags.get('params_sha256', '')[:12]} is not this params.yaml's")
