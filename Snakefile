@@ -46,7 +46,10 @@ CPU_ONLY = bool(config.get("cpu_only"))
 # (the slurm profile names them in pipelines/profiles/slurm/partitions.yaml).
 PARTITIONS = {kind: config.get(f"{kind}_partition") for kind in PARTITION_KINDS}
 
-STAGES = load_table()
+try:
+    STAGES = load_table()
+except ConfigError as e:  # (params.yaml's sweeps: one line naming the key, before any job)
+    raise WorkflowError(str(e)) from None
 if workflow.is_main_process and not config.get("dump_rules"):
     # One pipeline run at a time in this directory, held until this process exits (pipelines/commit.py).
     running = hold_pipeline_lock()

@@ -549,7 +549,11 @@ def disagreements(root: Path = ROOT) -> list[str]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    stages = load_table()
+    try:
+        stages = load_table()
+    except config.ConfigError as e:  # (a sweep declared in params.yaml: one line naming the key)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     generated = {ROOT / "dvc.yaml": render_dvc(stages)}
     generated |= {ROOT / PACKAGES.format(family=f): text for f, text in family_packages(stages).items()}
     if argv == ["write"]:

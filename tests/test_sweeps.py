@@ -7,7 +7,10 @@ points' MLflow runs nest under one parent run of the sweep."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,3 +166,20 @@ def test_a_point_whose_values_the_stage_refuses_stops_both_tools_before_any_job(
     params.write_text(with_sweeps((dag.ROOT / "params.yaml").read_text(), {"lr": bad}))
     with pytest.raises(ConfigError, match=r"sweeps\.lr \(train\.lr=fast\): .*pretrain\.train\.lr"):
         dag.check_params(params)
+
+
+def test_a_bad_declaration_stops_make_dag_and_snakemake_in_one_line(tmp_path):
+    archive = subprocess.run(["git", "archive", "HEAD"], cwd=dag.ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive, check=True)
+    params = tmp_path / "params.yaml"
+    params.write_text(with_sweeps(params.read_text(), {"lr": {**LR, "grid": {"train.lr": [0.001, 0.001]}}}))
+    says = "sweeps.lr.grid.train.lr: the values ['0.001', '0.001'] repeat one"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    write = subprocess.run(
+        [sys.executable, "-m", "pipelines.dag", "write"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert write.returncode == 2 and write.stderr.strip().endswith(says) and len(write.stderr.splitlines()) == 1
+    plan = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert plan.returncode != 0 and "WorkflowError" in plan.stderr and says in plan.stderr, plan.stderr[-2000:]
