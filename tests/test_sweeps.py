@@ -182,4 +182,5 @@ def test_a_bad_declaration_stops_make_dag_and_snakemake_in_one_line(tmp_path):
     plan = subprocess.run(
         [sys.executable, "-m", "snakemake", "-n"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
-    assert plan.returncode != 0 and "WorkflowError" in plan.stderr and says in plan.stderr, plan.stderr[-2000:]
+    out = plan.stdout + plan.stderr
+    assert plan.returncode != 0 and "WorkflowError" in out and says in out, out[-2000:]
