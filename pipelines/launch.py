@@ -402,28 +402,24 @@ def data_inputs(label: str) -> str:
     return json.dumps(table[name].data_deps(item or None) if name in table else [])
 
 
-def sweep_parent(stage: str) -> None:
-    """The MLflow parent of a sweep's runs is the sweep's own (PIPELINE_RUN_ID `sweep-<name>`), not the
-    invocation's: its points, run by any number of invocations (a point added later), nest under one parent."""
-    table = load_table()
-    name = stage.partition("@")[0]
-    if name in table and table[name].sweep:
-        os.environ["PIPELINE_RUN_ID"] = f"sweep-{table[name].sweep}"
-
-
-def sweep_point(stage: str) -> dict[str, str]:
-    """{contract.SWEEP: the point's sweep, name and values} for a sweep's point; {} for any other stage."""
+def sweep_env(stage: str) -> dict[str, str]:
+    """What a sweep's stage runs with; {} for any other stage. Its MLflow parent is the sweep's own
+    (PIPELINE_RUN_ID `sweep-<name>`), not the invocation's: its points, run by any number of invocations (a
+    point added later), nest under one parent. A point also gets contract.SWEEP: its sweep, name and values."""
     name, _, item = stage.partition("@")
     st = load_table().get(name)
-    if st is None or not st.sweep or item not in st.sets:
+    if st is None or not st.sweep:
         return {}
-    return {contract.SWEEP: json.dumps({"sweep": st.sweep, "point": item, "values": dict(st.sets[item])})}
+    env = {"PIPELINE_RUN_ID": f"sweep-{st.sweep}"}
+    if item in st.sets:
+        env[contract.SWEEP] = json.dumps({"sweep": st.sweep, "point": item, "values": dict(st.sets[item])})
+    return env
 
 
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
-    sweep_parent(sys.argv[1])
+    os.environ.update(sweep_env(sys.argv[1]))  # (the launcher marks the sweep's parent too)
     try:
         stale = stale_dag(sys.argv[1], sys.argv[2:], os.environ)
         if stale:
@@ -481,7 +477,6 @@ def main() -> None:
             contract.WORLD_SIZE: str(nproc * nodes),  # what the stage's preflight expects
             contract.TIME_FILE: str(times),
             contract.INPUTS: data_inputs(sys.argv[1]),
-            **sweep_point(sys.argv[1]),
         },
     )
     warned, forwarded = [], []
