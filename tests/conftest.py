@@ -21,6 +21,12 @@ from shared_run import MIRROR, ROOT, require_mirror  # noqa: F401  (the reposito
 # project's own repository turns them off in .dvc/config; every command a test starts inherits this.
 os.environ["DVC_NO_ANALYTICS"] = "1"
 
+# Importing DVC sets up its console loggers once per process on the sys.stdout and sys.stderr of that moment.
+# Imported first inside a test, those are that test's capture (capsys), closed when it ends, and every later
+# DVC message in the worker (`Repo.init`'s "Initialized DVC repository.") fails with "I/O operation on closed
+# file". Imported here, they are pytest's session-long capture.
+import dvc  # noqa: E402, F401
+
 # The order in which the pytest-xdist workers take the modules: the longest first, so that the workers
 # finish together. A worker is handed its next module while it still runs its last queued test (xdist keeps
 # two tests queued). tests/test_e2e.py comes first: it makes the shared ci run (tests/shared_run.py, about
