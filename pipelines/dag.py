@@ -18,8 +18,8 @@ A stage's dependencies are the table's data deps plus two kinds the table does n
 The launcher (`python -m pipelines.launch`) is how a stage is started, not what it computes: not a dep.
 
 A sweep declared in params.yaml (stages.common.sweep) adds two stages for both tools: `sweep_<name>`, the
-swept stage once per point (DVC's `matrix`, its stages named by the points' values; one Snakemake rule
-with the points as its `{item}`), writing data/sweeps/<name>/<point> and ending its command with the
+swept stage once per point (DVC's `foreach` over the points by name, each with its values; one Snakemake
+rule with the points as its `{item}`), writing data/sweeps/<name>/<point> and ending its command with the
 point's values as overrides; and `sweep_<name>_compare` (stages.sweep_compare), after every point. The
 report does not collect them.
 
@@ -99,8 +99,8 @@ class Stage:
     collect: bool = False
     measured: tuple[str, ...] = ()  # of MEASURED_KINDS
     module: str = ""  # the stage module it runs (stages.<module>): its own name unless a sweep's
-    # A sweep's points (stages.common.sweep): DVC's matrix, (name, values) per grid key, and per point the
-    # params overrides its command ends with, {point: ((key, value as text), ...)}
+    # A sweep's points (stages.common.sweep): (the name of its values in DVC's foreach items, values) per
+    # swept key, and per point the params overrides its command ends with, {point: ((key, value as text), ...)}
     matrix: tuple = ()
     sets: dict = field(default_factory=dict)
     sweep: str = ""  # the sweep a point or comparison stage belongs to
@@ -136,7 +136,7 @@ class Stage:
         return f"{LAUNCH} {self.name}{'@${item}' if self.foreach else ''} {args.strip()}".strip()
 
     def overrides(self) -> list[tuple[str, str]]:
-        """(params key, DVC matrix name) of a sweep's grid keys, in order."""
+        """(params key, its name in DVC's foreach items) of a sweep's keys, in order."""
         first = next(iter(self.sets.values()), ())
         return [(key, alias) for (key, _), (alias, _) in zip(first, self.matrix, strict=True)]
 
@@ -458,9 +458,11 @@ def dvc_document(stages: dict[str, Stage]) -> dict:
         if st.params:
             body["params"] = list(st.params)
         body["outs"] = list(st.outs) + [{path: {"cache": False}} for path in st.measured_files()]
-        if st.matrix:  # (DVC names a matrix's stages by their values, `${key}`; pipelines/dag.py's ${item})
+        if st.matrix:  # (a sweep: foreach over {point: {name: value}}; a point is DVC's ${key}, our ${item})
             body = parse_yaml(yaml.safe_dump(body, sort_keys=False).replace("${item}", "${key}"))
-            out["stages"][st.name] = {"matrix": dict(st.matrix), **body}
+            aliases = [alias for alias, _ in st.matrix]
+            items = {p: {a: text for a, (_, text) in zip(aliases, st.sets[p], strict=True)} for p in st.foreach}
+            out["stages"][st.name] = {"foreach": items, "do": body}
         else:
             out["stages"][st.name] = {"foreach": list(st.foreach), "do": body} if st.foreach else body
         for _, item in st.instances():

@@ -5,13 +5,17 @@
 STORE is the backend store URI the server serves (default: the stages' store, stages/common/tracking/store.py).
 
 The runs table in the saved view `training` (the columns a user compares across stage runs, see
-stages/common/tracking/store.py: VIEW_COLUMNS) and the registered models, both in the UI's model-training mode.
+stages/common/tracking/store.py: VIEW_COLUMNS) and the registered models, both in the UI's model-training mode;
+then, per sweep (docs/sweeps.md), its parent run and the compare view of its points (parallel coordinates,
+contour: the swept params against the metrics).
 Before any stage ran, the experiment does not exist yet and only the server's address is printed.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import urllib.parse
 from pathlib import Path
 
 from stages.common.tracking import store
@@ -25,7 +29,41 @@ def pages(base: str, uri: str) -> list[str]:
     exp = mlflow.MlflowClient(uri).get_experiment_by_name(store.EXPERIMENT)
     if exp is None:
         return [base]
-    return [store.view_url(base, exp.experiment_id), f"{base}/#/models?{store.UI_QUERY}"]
+    found = [store.view_url(base, exp.experiment_id), f"{base}/#/models?{store.UI_QUERY}"]
+    for parent, compare in sweep_pages(mlflow.MlflowClient(uri), base, exp.experiment_id).values():
+        found += [parent, compare]
+    return found
+
+
+def sweep_pages(client, base: str, experiment_id: str) -> dict[str, tuple[str, str]]:
+    """{sweep: (its parent run's page, the compare view of its points)}: per point its newest finished run."""
+    parents = client.search_runs(
+        [experiment_id], "tags.pipeline_role = 'parent' and tags.pipeline_run LIKE 'sweep-%'", max_results=1000
+    )
+    found = {}
+    for parent in parents:
+        runs = client.search_runs(
+            [experiment_id],
+            f"tags.mlflow.parentRunId = '{parent.info.run_id}' and attributes.status = 'FINISHED'",
+            max_results=5000,
+            order_by=["attributes.start_time DESC"],
+        )
+        points: dict[str, str] = {}
+        for run in runs:
+            if "sweep.point" in run.data.tags and run.data.tags.get("stage") != "sweep_compare":
+                points.setdefault(run.data.tags["sweep.point"], run.info.run_id)
+        query = urllib.parse.urlencode(
+            {
+                "runs": json.dumps(list(points.values()), separators=(",", ":")),
+                "experiments": json.dumps([experiment_id]),
+            }
+        )
+        name = parent.data.tags["pipeline_run"].removeprefix("sweep-")
+        found[name] = (
+            f"{base}/#/experiments/{experiment_id}/runs/{parent.info.run_id}?{store.UI_QUERY}",
+            f"{base}/#/compare-runs?{query}",
+        )
+    return found
 
 
 def main() -> None:

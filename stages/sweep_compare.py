@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import re
 from pathlib import Path
@@ -78,29 +77,7 @@ def point_folders(sw: sweep.Sweep, given: list[str] | None) -> dict[str, Path]:
 
 
 def read_metric(sw: sweep.Sweep, point: str, folder: Path) -> float:
-    """The sweep's metric in the point's metrics.json (a.b for a nested key); NaN stays NaN."""
-    path = folder / "metrics.json"
-    if not path.is_file():
-        raise config.UserError(
-            f"{STAGE}: {path} not found; run the sweep's point first: dvc repro sweep_{sw.name}@{point}"
-        )
-    try:
-        doc = json.loads(path.read_text())
-    except ValueError as e:
-        raise config.UserError(f"{STAGE}: {path} is not JSON ({e}); run sweep_{sw.name}@{point} again") from None
-    flat = config.flatten(doc) if isinstance(doc, dict) else {}
-    if sw.metric not in flat:
-        raise config.UserError(
-            f"{STAGE}: {path} has no {sw.metric} (sweeps.{sw.name}.metric); its keys: {', '.join(flat) or 'none'}"
-        )
-    value = flat[sw.metric]
-    if value is None:  # (a writer of strict JSON writes NaN as null)
-        return math.nan
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise config.UserError(
-            f"{STAGE}: {path}: {sw.metric} is {value!r}, not a number; set sweeps.{sw.name}.metric to a numeric key"
-        )
-    return float(value)
+    return sweep.read_metric(sw, point, folder, STAGE)
 
 
 def best_point(values: dict[str, float], goal: str) -> str | None:

@@ -205,6 +205,8 @@ HOW: dict[str, tuple[str, str]] = {
     "python -m pipelines.preset sweep-context": ("marked", "rewrites params.yaml (tests/test_config.py loads it)"),
     "snakemake --cores all sweep_lr_compare": ("marked", "a sweep declared first (tests/test_sweeps.py runs one)"),
     "dvc repro sweep_lr_compare": ("marked", "a sweep declared first (tests/test_sweeps.py runs one)"),
+    "dvc repro --keep-going sweep_lr_compare": ("marked", "a sweep declared first (tests/test_sweeps.py runs one)"),
+    "python -m pipelines.sweep lr": ("marked", "a sweep declared first (tests/test_sweeps.py runs it)"),
     "snakemake --profile pipelines/profiles/slurm sweep_lr_compare": ("marked", SLURM + ", a sweep declared"),
     # docs/troubleshooting.md
     "apt-get install python3.11-venv": ("marked", "a system package: root and network"),

@@ -193,6 +193,27 @@ def test_sigterm_checkpoints_and_the_rerun_resumes(tokenized):
     assert 0 < step < 400
 
 
+def test_a_diverged_loss_stops_the_run_at_its_step_and_publishes_nothing(tokenized):
+    """A learning rate far too high: the loss becomes nan, and the run stops there with one error naming the
+    step and the fix (exit 2, the refusal's); the checkpoints before that step stay, none of it or after,
+    and there is no output."""
+    ckpt_root = tokenized / "ckpts-diverged"
+    proc = run(
+        tokenized, "diverged", 2, "train.lr=1000", "train.checkpoint_every=1", "train.async_checkpoint=false",
+        check=False, PIPELINE_CHECKPOINTS=str(ckpt_root),
+    )  # fmt: skip
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+    # (the line follows the progress bar's last \r)
+    said = re.search(
+        r"error: training diverged: the loss is (?:nan|-?inf) at step (\d+) of 8 \(train\.lr 1000.*", proc.stderr
+    )
+    assert said, proc.stderr[-3000:]
+    step, line = int(said.group(1)), said.group(0)
+    assert "lower train.lr" in line and not (tokenized / "diverged").exists()
+    saved = sorted(int(p.name[5:]) for p in ckpt_root.glob("pretrain/*/step-*"))
+    assert saved and max(saved) == step - 1, (saved, step)  # (the newest ones kept, the last before the nan)
+
+
 def test_ctrl_c_under_the_launcher_and_torchrun_saves_a_checkpoint(tokenized):
     """Ctrl-C signals the terminal's foreground process group (the launcher and torchrun; torchrun's
     workers run in a session of their own and hear it from torchrun): both ranks finish the step, save

@@ -47,6 +47,11 @@ if TYPE_CHECKING:
     from stages.common.stagerun import StageRun
 
 
+class Diverged(config.UserError):
+    """The loss became inf or nan: the params (a learning rate too high) are the cause, so it is the user's
+    to fix. Nothing from the step on is saved; a run with other params starts afresh (stages.common.ckpt)."""
+
+
 @dataclass
 class TrainResult:
     history: dict
@@ -340,6 +345,12 @@ def _train(model, train_data, val_data, cfg, context_length, rt, saver, tracker,
     for index in range(state.step, cfg.steps):
         faults.injected_stall(rt.rank, index)
         out = step(tr, index)
+        if not math.isfinite(out.loss):  # (the loss is all ranks' own: they stop together)
+            raise Diverged(
+                f"training diverged: the loss is {out.loss} at step {index + 1} of {cfg.steps} (train.lr "
+                f"{cfg.lr}, warmup_steps {cfg.warmup_steps}); lower train.lr or lengthen the warmup and run "
+                f"again (nothing from this step on was saved)"
+            )
         steps.append(out)
         done = state.step = index + 1
         watch.beat(done, f"in step {done + 1}", step_s=out.seconds)

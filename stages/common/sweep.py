@@ -9,21 +9,31 @@ Declared in params.yaml's `sweeps` section, one entry per sweep:
           train.lr: [1.0e-3, 3.0e-3, 1.0e-2]
         metric: final_val_loss      # a key of the stage's metrics.json (a.b for nested ones)
         goal: min                   # min | max: which point is best
+      warmup:
+        stage: pretrain
+        points:                     # instead of a grid: the points themselves, each giving the same keys
+          - {train.lr: 1.0e-3, train.warmup_steps: 2}
+          - {train.lr: 3.0e-3, train.warmup_steps: 8}
+        metric: final_val_loss
+        goal: min
 
 The DAG (pipelines/dag.py) makes two stages of it for both tools: `sweep_<name>@<point>`, the stage once
 per point, each with its own output folder data/sweeps/<name>/<point> and its own record in dvc.lock, and
 `sweep_<name>_compare`, the table and plot of the points (stages.sweep_compare). A point's name is its
-values joined by "-", as DVC names the stages of a `matrix` (0.001, or 0.001-10 for two keys); the
-points run in the order of the grid's keys and values.
+values joined by "-" (0.001, or 0.001-10 for two keys), the key of its entry in DVC's `foreach`; the points
+run in the order of the grid's keys and values, or of the list.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
-from stages.common.config import ConfigError
+from stages.common.config import ConfigError, UserError, flatten
 
 GOALS = ("min", "max")
 NAME = re.compile(r"[a-z][a-z0-9_]*")
@@ -38,9 +48,12 @@ class Sweep:
     grid: tuple[tuple[str, tuple], ...]  # (params key of the stage's section, its values), in declared order
     metric: str
     goal: str
+    # The `points` form: each point's values in the order of grid's keys (whose values are then the distinct
+    # ones, in order of appearance); empty for a grid, whose points are every combination.
+    listed: tuple[tuple, ...] = ()
 
     def aliases(self) -> dict[str, str]:
-        """{params key: the name DVC's matrix gives its values}: the key's last part, or the whole key with
+        """{params key: its name in a point's DVC foreach item}: the key's last part, or the whole key with
         "_" for "." where two keys end alike."""
         last = [key.rpartition(".")[2] for key, _ in self.grid]
         return {
@@ -49,10 +62,11 @@ class Sweep:
         }
 
     def points(self) -> dict[str, dict[str, object]]:
-        """{point name: {params key: value}}, every combination of the grid's values in DVC's order."""
+        """{point name: {params key: value}}: the listed points, or every combination of the grid's values,
+        the last key's changing fastest."""
         keys = [key for key, _ in self.grid]
         out = {}
-        for combination in itertools.product(*(values for _, values in self.grid)):
+        for combination in self.listed or itertools.product(*(values for _, values in self.grid)):
             out["-".join(as_text(v) for v in combination)] = dict(zip(keys, combination, strict=True))
         return out
 
@@ -78,37 +92,105 @@ def check(name, entry, stages: set[str] | None, where: str) -> Sweep:
     at = f"{where}: sweeps.{name}"
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ConfigError(f"{at}: a sweep's name is lower-case letters, digits and _, starting with a letter")
-    if not isinstance(entry, dict) or set(entry) != {"stage", "grid", "metric", "goal"}:
+    form = set(entry) - {"stage", "metric", "goal"} if isinstance(entry, dict) else set()
+    if not isinstance(entry, dict) or len(entry) - len(form) != 3 or form not in ({"grid"}, {"points"}):
         got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-        raise ConfigError(f"{at}: give exactly stage, grid, metric and goal (got {got})")
+        raise ConfigError(f"{at}: give stage, metric, goal and one of grid or points (got {got})")
     stage = entry["stage"]
     if stages is not None and stage not in stages:
         raise ConfigError(f"{at}.stage: {stage!r} is not a stage that runs once; valid: {', '.join(sorted(stages))}")
-    grid = entry["grid"]
-    if not isinstance(grid, dict) or not grid:
-        raise ConfigError(f"{at}.grid: a mapping of params key -> list of values, e.g. {{train.lr: [0.001, 0.003]}}")
-    pairs = []
-    for key, values in grid.items():
-        if not isinstance(key, str) or not KEY.fullmatch(key):
-            raise ConfigError(f"{at}.grid: {key!r} is not a key of the {stage} section (e.g. train.lr)")
-        if key.split(".")[0] == stage:
-            raise ConfigError(f"{at}.grid: {key}: name the key inside the {stage} section, without {stage}.")
-        if not isinstance(values, list) or not values:
-            raise ConfigError(f"{at}.grid.{key}: a non-empty list of values, e.g. [0.001, 0.003]")
-        for v in values:
-            if not isinstance(v, (bool, int, float, str)) or not VALUE.fullmatch(as_text(v)):
-                raise ConfigError(
-                    f"{at}.grid.{key}: {v!r}: a value is a number, true/false or a word of letters, digits, "
-                    f"'.', '+' and '_'"
-                )
-        texts = [as_text(v) for v in values]
-        distinct = {as_text(v) if isinstance(v, (bool, str)) else float(v) for v in values}  # (1 and 1.0 alike)
-        if len(distinct) != len(texts):
-            raise ConfigError(f"{at}.grid.{key}: the values {texts} repeat one")
-        pairs.append((key, tuple(values)))
+    if "grid" in entry:
+        grid, listed = check_grid(f"{at}.grid", stage, entry["grid"]), ()
+    else:
+        grid, listed = check_points(f"{at}.points", stage, entry["points"])
     metric, goal = entry["metric"], entry["goal"]
     if not isinstance(metric, str) or not metric:
         raise ConfigError(f"{at}.metric: a key of the {stage} stage's metrics.json, e.g. final_val_loss")
     if goal not in GOALS:
         raise ConfigError(f"{at}.goal: {goal!r}; valid: {', '.join(GOALS)}")
-    return Sweep(name, stage, tuple(pairs), metric, goal)
+    return Sweep(name, stage, grid, metric, goal, listed)
+
+
+def check_key(at: str, stage: str, key) -> None:
+    if not isinstance(key, str) or not KEY.fullmatch(key):
+        raise ConfigError(f"{at}: {key!r} is not a key of the {stage} section (e.g. train.lr)")
+    if key.split(".")[0] == stage:
+        raise ConfigError(f"{at}: {key}: name the key inside the {stage} section, without {stage}.")
+
+
+def check_value(at: str, v) -> None:
+    if not isinstance(v, (bool, int, float, str)) or not VALUE.fullmatch(as_text(v)):
+        raise ConfigError(
+            f"{at}: {v!r}: a value is a number, true/false or a word of letters, digits, '.', '+' and '_'"
+        )
+
+
+def same(v):
+    """What makes two values one point: 1 and 1.0 alike."""
+    return as_text(v) if isinstance(v, (bool, str)) else float(v)
+
+
+def check_grid(at: str, stage: str, grid) -> tuple:
+    if not isinstance(grid, dict) or not grid:
+        raise ConfigError(f"{at}: a mapping of params key -> list of values, e.g. {{train.lr: [0.001, 0.003]}}")
+    pairs = []
+    for key, values in grid.items():
+        check_key(at, stage, key)
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{at}.{key}: a non-empty list of values, e.g. [0.001, 0.003]")
+        for v in values:
+            check_value(f"{at}.{key}", v)
+        if len({same(v) for v in values}) != len(values):
+            raise ConfigError(f"{at}.{key}: the values {[as_text(v) for v in values]} repeat one")
+        pairs.append((key, tuple(values)))
+    return tuple(pairs)
+
+
+def check_points(at: str, stage: str, points) -> tuple[tuple, tuple]:
+    """(grid: each key with its distinct values in order, the points' values in the keys' order)."""
+    if not isinstance(points, list) or not points or not all(isinstance(p, dict) and p for p in points):
+        raise ConfigError(
+            f"{at}: a non-empty list of points, each a mapping of params key -> value, "
+            f"e.g. [{{train.lr: 0.001, train.warmup_steps: 2}}, {{train.lr: 0.003, train.warmup_steps: 8}}]"
+        )
+    keys = list(points[0])
+    for key in keys:
+        check_key(at, stage, key)
+    rows, seen = [], {}
+    for i, point in enumerate(points):
+        if set(point) != set(keys):
+            raise ConfigError(f"{at}[{i}]: the keys {sorted(point)}; every point gives the keys of the first: {keys}")
+        for key in keys:
+            check_value(f"{at}[{i}].{key}", point[key])
+        row = tuple(point[key] for key in keys)
+        found = seen.setdefault(tuple(same(v) for v in row), i)
+        found = seen.setdefault("-".join(as_text(v) for v in row), found)  # (its name: "1" and 1 alike)
+        if found != i:
+            raise ConfigError(f"{at}[{i}]: the same point as {at.rpartition(': ')[2]}[{found}]; give each point once")
+        rows.append(row)
+    grid = tuple((key, tuple({same(r[k]): r[k] for r in rows}.values())) for k, key in enumerate(keys))
+    return grid, tuple(rows)
+
+
+def read_metric(sw: Sweep, point: str, folder: Path, who: str) -> float:
+    """The sweep's metric in the point's metrics.json (a.b for a nested key); NaN stays NaN."""
+    path = folder / "metrics.json"
+    if not path.is_file():
+        raise UserError(f"{who}: {path} not found; run the sweep's point first: dvc repro sweep_{sw.name}@{point}")
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError as e:
+        raise UserError(f"{who}: {path} is not JSON ({e}); run sweep_{sw.name}@{point} again") from None
+    flat = flatten(doc) if isinstance(doc, dict) else {}
+    if sw.metric not in flat:
+        raise UserError(
+            f"{who}: {path} has no {sw.metric} (sweeps.{sw.name}.metric); its keys: {', '.join(flat) or 'none'}"
+        )
+    value = flat[sw.metric]
+    if value is None:  # (a writer of strict JSON writes NaN as null)
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(
+            f"{who}: {path}: {sw.metric} is {value!r}, not a number; set sweeps.{sw.name}.metric to a numeric key"
+        )
+    return float(value)

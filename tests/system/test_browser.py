@@ -12,16 +12,15 @@ The server is stopped with the processes it started.
 
 from __future__ import annotations
 
-import html
 import json
 import re
 import shlex
 import shutil
 import subprocess
 import urllib.request
-from pathlib import Path
 
 import pytest
+from browser import chromium, render, visible_text
 from conftest import free_port, running_server
 from workspace import BIN, ROOT, env_for, local_run, sh
 
@@ -31,10 +30,6 @@ from pipelines import dag
 pytestmark = [pytest.mark.system, pytest.mark.timeout(1800)]
 ARTIFACTS = ROOT / "tests" / "system" / "artifacts"
 STAGES = set(dag.load_table())
-
-
-def chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def api(base: str, path: str, body: dict | None = None) -> dict:
@@ -144,29 +139,6 @@ def test_rest_api_groups_stage_runs_with_metrics_and_artifacts(server):
     models = registered_models(base)
     assert {"pretrain", "finetune_qlora-nf4", "finetune_qlora-none"} <= set(models), sorted(models)
     assert models["pretrain"] == {"reproduced": "1"}, "the regression rows of the pretrain model pass"
-
-
-def render(url: str, profile: Path, *extra: str, width: int = 1600, height: int = 1000) -> str:
-    """The page's DOM after its scripts ran (or Chromium's output for a screenshot). The runs table
-    draws only the columns within the window's width."""
-    browser = [
-        chromium(),
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        f"--user-data-dir={profile}",
-        f"--window-size={width},{height}",
-        "--virtual-time-budget=30000",
-    ]
-    return subprocess.run(
-        [*browser, *(extra or ("--dump-dom",)), url], capture_output=True, text=True, timeout=300
-    ).stdout
-
-
-def visible_text(dom: str) -> str:
-    dom = re.sub(r"<(script|style)\b.*?</\1>", " ", dom, flags=re.S)
-    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", dom)))
 
 
 def test_experiment_page_lists_the_runs_in_chromium(server, tmp_path):

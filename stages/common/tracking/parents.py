@@ -59,12 +59,20 @@ def parent_run(client, experiment_id: str, group: str, lock_path: Path) -> str:
 def end_parent(client, parent: str, stage: str, status: str, lock_path: Path) -> None:
     """The invocation's parent run after one of its stages ended: a stage that failed or was stopped
     marks it FAILED or KILLED (FAILED wins) and names itself in the tag `unfinished_stages`; a stage that
-    finished leaves it FINISHED only while no stage of the invocation has done otherwise."""
+    finished leaves it FINISHED only while no stage of the invocation has done otherwise, but for a sweep's
+    comparison, which ends its sweep's parent FINISHED (the earlier failures kept in
+    `earlier_unfinished_stages`)."""
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         run = client.get_run(parent)
         unfinished = run.data.tags.get("unfinished_stages", "")
         if status == "FINISHED":
+            if unfinished and completes_sweep(run, stage):
+                # A sweep's comparison ran: every point of the sweep as now declared is current, whatever
+                # failed on the way (a point since dropped or run again), which stays on record.
+                client.set_tag(parent, "earlier_unfinished_stages", unfinished)
+                client.delete_tag(parent, "unfinished_stages")
+                unfinished = ""
             if not unfinished:
                 client.set_terminated(parent)
             return
@@ -73,6 +81,13 @@ def end_parent(client, parent: str, stage: str, status: str, lock_path: Path) ->
         if entry not in unfinished.split(","):  # the stage's run, then its launcher, report the same end
             client.set_tag(parent, "unfinished_stages", ",".join(filter(None, [unfinished, entry])))
         client.set_terminated(parent, worst)
+
+
+def completes_sweep(parent_run, stage: str) -> bool:
+    """Whether `stage` is the comparison of the sweep whose parent run this is (sweep_<name>_compare under
+    the parent of group sweep-<name>)."""
+    name = stage.removeprefix("sweep_").removesuffix("_compare")
+    return stage == f"sweep_{name}_compare" and parent_run.data.tags.get("pipeline_run") == f"sweep-{name}"
 
 
 def record_stage_end(label: str, code: int) -> str | None:

@@ -132,7 +132,8 @@ def _open_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
         # as the launcher passes it on.
         label = os.environ.get("PIPELINE_STAGE", "")
         point = contract.sweep_point()  # (a sweep's point: named by it, its values as tags for the compare view)
-        run_name = label if label.partition("@")[0] == stage or point else stage
+        # A sweep's point, or its comparison, is named by its stage in the DAG (sweep_lr@0.001, sweep_lr_compare).
+        run_name = label if label and (label.partition("@")[0] == stage or point or tags.get("sweep")) else stage
         all_tags = {**_run_tags(stage, inputs_hash, rt, group, parent), **_sweep_tags(point), **tags}
         run_id = client.create_run(experiment_id, run_name=run_name, tags=resolve_tags(all_tags)).info.run_id
         _log_params(client, run_id, params)
@@ -157,7 +158,8 @@ def _record_inputs(sender: Sender, run_id: str, paths: list[str]) -> None:
 @contextlib.contextmanager
 def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, tags: dict | None = None, inputs=()):
     """Open the stage's MLflow run on rank 0 (yield a RunTracker; a NullTracker on other ranks), and end it
-    as the block ends: FINISHED, KILLED (a stop signal: re-run it) or FAILED.
+    as the block ends: FINISHED, KILLED (a stop signal: re-run it) or FAILED, with the exception tagged
+    (`failure`, its type; `failure_cause`, type and message).
 
     Tags: stage, git commit, input content hash, pipeline invocation, world size, device; params
     are the stage's params section; the environment (`pip freeze`) is an artifact; its data inputs are
@@ -175,6 +177,9 @@ def start_run(stage: str, params: dict, inputs_hash: str, rt: runtime.Runtime, t
         status = "FINISHED"
     except (runtime.Stopped, KeyboardInterrupt):
         status = "KILLED"  # stopped by a signal (after a checkpoint, for a training stage): re-run it
+        raise
+    except Exception as e:  # (the run ends FAILED with its cause, as the stage's last line says it)
+        tracker.set_tags({"failure": type(e).__name__, "failure_cause": f"{type(e).__name__}: {e}"[:5000]})
         raise
     finally:
         tracker.end(status)
