@@ -174,9 +174,23 @@ def commit_date(root: Path) -> str:
     return proc.stdout.strip() or "1970-01-01T00:00:00Z"
 
 
-def stage_action(root: Path, g: Graph, label: str, rec: dict, out_ids: dict, run, lock_file: dict) -> dict:
-    """A stage run's CreateAction (and its tool, params, environment and MLflow run as entities of `g`)."""
+def ran_with(rec: dict, module: str) -> dict:
+    """The params a stage run read: its dvc.lock params, flattened, with the `key=value` overrides its command
+    ends with (a sweep's point: `train.lr=0.003`) applied to its module's section."""
+    params = flatten(rec.get("params", {}).get("params.yaml", {}))
+    words = rec.get("cmd", "").split()
+    for word in words[4:]:  # (after `python -m pipelines.launch <stage>`)
+        key, sep, value = word.partition("=")
+        if sep and not word.startswith("-") and f"{module}.{key}" in params:
+            params[f"{module}.{key}"] = parse_yaml(value)
+    return params
+
+
+def stage_action(root: Path, g: Graph, label: str, rec: dict, out_ids: dict, run, lock_file: dict, module="") -> dict:
+    """A stage run's CreateAction (and its tool, params, environment and MLflow run as entities of `g`);
+    `module`: the stage module it ran (a sweep's point: the swept stage's), by default its own name."""
     name = label.partition("@")[0]
+    module = module or name
     meta = meta_of(root, rec)
     inputs, code_files, requirements = [], [], [lock_file]
     for dep in rec.get("deps", ()):
@@ -186,7 +200,7 @@ def stage_action(root: Path, g: Graph, label: str, rec: dict, out_ids: dict, run
             continue
         ref = g.add(data_entity(path, dep.get("md5", ""), dep.get("size"), None, False))
         (code_files if path.endswith(".py") else requirements if "/packages/" in path else inputs).append(ref)
-    tool = {"@id": f"#tool/{name}", "@type": "SoftwareApplication", "name": f"stages.{name}",
+    tool = {"@id": f"#tool/{name}", "@type": "SoftwareApplication", "name": f"stages.{module}",
             "hasPart": code_files, "softwareRequirements": requirements}  # fmt: skip
     code = meta.get("code_sha256") or (run.data.tags.get("code_sha256") if run is not None else None)
     if code:
@@ -194,7 +208,7 @@ def stage_action(root: Path, g: Graph, label: str, rec: dict, out_ids: dict, run
     g.add(tool)
     section = rec.get("params", {}).get("params.yaml", {})
     params = [
-        g.add(property_value(f"#param/{label}/{k}", k, v, f"params:{label}")) for k, v in flatten(section).items()
+        g.add(property_value(f"#param/{label}/{k}", k, v, f"params:{label}")) for k, v in ran_with(rec, module).items()
     ]
     env = environment(root, meta)
     env_refs = [
@@ -250,7 +264,8 @@ def build(root: Path, include: bool) -> tuple[list[dict], list[str]]:
                        "sha256": environment(root, {})["requirements.lock sha256"]})  # fmt: skip
     steps, controls = [], []
     for position, label in enumerate(labels, start=1):
-        action = stage_action(root, g, label, records[label], out_ids, runs.get(label), lock_file)
+        module = table[label.partition("@")[0]].runs()  # (a sweep's point: the swept stage's module)
+        action = stage_action(root, g, label, records[label], out_ids, runs.get(label), lock_file, module)
         tool = g.entities[action["@id"]]["instrument"]
         step = g.add({"@id": f"#step/{label}", "@type": "HowToStep", "name": label, "position": str(position),
                       "workExample": tool})  # fmt: skip

@@ -352,6 +352,18 @@ def test_the_status_names_each_point_current_failed_out_of_date_or_not_run(tmp_p
     assert status_of.point_states(sw, tmp_path, None, {})[0]["state"] == "out of date", "DVC could not tell"
 
 
+def test_a_points_crate_action_records_the_params_it_ran_with():
+    """dvc.lock records a point's params as the swept stage's section; the point ran with its values."""
+    from pipelines import crate
+
+    rec = {
+        "cmd": "python -m pipelines.launch sweep_lr@0.003 --input data/tokenize --output data/sweeps/lr/0.003 "
+        "--measured measured/sweep_lr/0.003.json train.lr=0.003",
+        "params": {"params.yaml": {"base.model": "", "pretrain": {"train": {"lr": 0.001, "steps": 10}}}},
+    }
+    assert crate.ran_with(rec, "pretrain") == {"base.model": "", "pretrain.train.lr": 0.003, "pretrain.train.steps": 10}
+
+
 def test_a_point_whose_values_the_stage_refuses_stops_both_tools_before_any_job(tmp_path):
     params = tmp_path / "params.yaml"
     bad = {**LR, "grid": {"train.lr": [0.001, "fast"]}}
