@@ -8,6 +8,7 @@ import html
 import re
 import shutil
 import subprocess
+import urllib.request
 from pathlib import Path
 
 
@@ -36,3 +37,12 @@ def render(url: str, profile: Path, *extra: str, width: int = 1600, height: int 
 def visible_text(dom: str) -> str:
     dom = re.sub(r"<(script|style)\b.*?</\1>", " ", dom, flags=re.S)
     return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", dom)))
+
+
+def answers(base: str) -> bool:
+    """Whether the MLflow server at `base` answers its health check."""
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False

@@ -14,13 +14,11 @@ import re
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
-from browser import chromium, render, visible_text
+from browser import answers, chromium, render, visible_text
 from conftest import free_port, running_server
 from kill_fuzz import kill_all
 from shared_run import BIN, ROOT, copy_of_run, env_for, sh
@@ -288,20 +286,13 @@ def test_the_sweep_in_the_mlflow_ui_in_chromium(request, tmp_path):
     parent_page, compare_page = pages[2:]
     assert "/#/compare-runs?runs=" in compare_page and "/runs/" in parent_page, pages
 
-    def ready():
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
-
     import mlflow
 
     # (the server as `make mlflow-ui` starts it; tests/system/test_browser.py checks that recipe)
     server = [str(BIN / "mlflow"), "server", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", str(port)]
     env = {**env_for(smk), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     log = tmp_path / "server.log"
-    with running_server([*server, "--workers", "1"], log, ready, "the MLflow server", cwd=smk, env=env):
+    with running_server([*server, "--workers", "1"], log, lambda: answers(base), "the MLflow server", cwd=smk, env=env):
         text = visible_text(render(compare_page, tmp_path / "profile"))
         assert f"Comparing {len(VALUES)} Runs from 1 Experiment" in text, text[:3000]
         assert "Parallel Coordinates Plot" in text and "Contour Plot" in text, text[:3000]

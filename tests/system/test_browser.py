@@ -20,7 +20,7 @@ import subprocess
 import urllib.request
 
 import pytest
-from browser import chromium, render, visible_text
+from browser import answers, chromium, render, visible_text
 from conftest import free_port, running_server
 from workspace import BIN, ROOT, env_for, local_run, sh
 
@@ -83,16 +83,11 @@ def server(tmp_path_factory, mirror):
     pages = [ln.removeprefix("open ") for ln in printed.splitlines() if ln.startswith("open ")]
     base = f"http://127.0.0.1:{port}"
 
-    def ready():
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
-
     log = tmp_path_factory.mktemp("mlflow-server") / "server.log"
     cmd = [str(BIN / args[0]), *args[1:]]
-    with running_server(cmd, log, ready, "the MLflow server", cwd=clone, env={**env_for(clone), **assigned}):
+    with running_server(
+        cmd, log, lambda: answers(base), "the MLflow server", cwd=clone, env={**env_for(clone), **assigned}
+    ):
         yield base, pages
 
 
