@@ -117,6 +117,15 @@ def lock_dep(record: dict, path: str) -> str:
     return md5
 
 
+def recorded(clone: Path) -> set[str]:
+    """The sweep's stages dvc.lock holds a whole record of, read while a tool may be writing it."""
+    try:
+        stages = yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
+        return {name for name, entry in stages.items() if name.startswith("sweep_lr") and entry.get("outs")}
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return set()
+
+
 def lock_md5s(clone: Path) -> dict[str, str]:
     stages = yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
     return {name: entry["outs"][0]["md5"] for name, entry in stages.items() if name.startswith("sweep_lr")}
@@ -199,12 +208,12 @@ def swept(tmp_path_factory) -> tuple[Path, Path]:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 600
-        while not {"sweep_lr@0.006", "sweep_lr@0.0001"} & set(lock_md5s(clone)):
+        while not {"sweep_lr@0.006", "sweep_lr@0.0001"} & recorded(clone):
             assert proc.poll() is None and time.monotonic() < deadline, f"{cmd} ended or stalled before a new point"
             time.sleep(0.5)
         kill_all(clone)
         proc.wait(30)
-        (done,) = {"sweep_lr@0.006", "sweep_lr@0.0001"} & set(lock_md5s(clone))
+        (done,) = {"sweep_lr@0.006", "sweep_lr@0.0001"} & recorded(clone)
         rest = ({"0.006", "0.0001"} - {done.partition("@")[2]}).pop()
         out = sh(cmd, clone)
         if clone is smk:
