@@ -20,8 +20,9 @@ The launcher (`python -m pipelines.launch`) is how a stage is started, not what 
 A sweep declared in params.yaml (stages.common.sweep) adds two stages for both tools: `sweep_<name>`, the
 swept stage once per point (DVC's `foreach` over the points by name, each with its values; one Snakemake
 rule with the points as its `{item}`), writing data/sweeps/<name>/<point> and ending its command with the
-point's values as overrides; and `sweep_<name>_compare` (stages.sweep_compare), after every point. The
-report does not collect them.
+point's values as overrides; and `sweep_<name>_compare` (stages.sweep_compare), after every point. A point
+an earlier sweep of the same stage already has (stages.common.sweep.homes) is not run again: the
+comparison reads it from that sweep's folder. The report does not collect them.
 
 What a stage measures (`measured` in the table: throughput, seconds, peak memory) is written outside its
 outputs, to measured/<stage>.json (measured/<stage>/<item>.json per item; and .png for a plot), passed as
@@ -311,8 +312,11 @@ def load_table(path: Path = TABLE, params: Path | None = None) -> dict[str, Stag
     params_file = params or root / "params.yaml"
     declared = parse_yaml(params_file.read_text()) if params_file.is_file() else {}
     once = {name for name, st in stages.items() if not (st.foreach or st.collect)}
-    for sw in sweep.load(declared or {}, once, where=str(params_file)).values():
-        stages |= sweep_stages(sw, stages[sw.stage], code_deps(root, (COMPARE_MODULE,))[COMPARE_MODULE])
+    sweeps = sweep.load(declared or {}, once, where=str(params_file))
+    homes = sweep.homes(sweeps, declared or {})
+    for sw in sweeps.values():
+        compare_deps = code_deps(root, (COMPARE_MODULE,))[COMPARE_MODULE]
+        stages |= sweep_stages(sw, stages[sw.stage], compare_deps, homes)
     return stages
 
 
@@ -320,9 +324,11 @@ SWEEPS_DIR = "data/sweeps"
 COMPARE_MODULE = "stages.sweep_compare"
 
 
-def sweep_stages(sw, swept: Stage, compare_deps: tuple[str, ...]) -> dict[str, Stage]:
+def sweep_stages(sw, swept: Stage, compare_deps: tuple[str, ...], homes: dict) -> dict[str, Stage]:
     """A sweep's two stages: `sweep_<name>`, the swept stage once per point into data/sweeps/<name>/<point>
-    (its params overrides at the end of its command), and `sweep_<name>_compare`, the table of the points."""
+    (its params overrides at the end of its command), and `sweep_<name>_compare`, the table of the points.
+    `homes` (stages.common.sweep.homes): a point an earlier sweep runs is not one of `sweep_<name>`'s (a sweep
+    all of whose points others run has none), and its folder is that sweep's."""
     if len(swept.outs) != 1:
         raise config.ConfigError(
             f"params.yaml: sweeps.{sw.name}.stage: {swept.name} writes {len(swept.outs)} outputs; a sweep runs a "
@@ -334,30 +340,34 @@ def sweep_stages(sw, swept: Stage, compare_deps: tuple[str, ...]) -> dict[str, S
         return re.sub(rf"(?<![\w/]){re.escape(out)}(?=/|\s|$)", folder, text)
 
     aliases = sw.aliases()
-    points = sw.points()
+    points = {p: values for p, values in sw.points().items() if homes[sw.name][p] == (sw.name, p)}
     name = f"sweep_{sw.name}"
     plots = tuple(moved(p) if isinstance(p, str) else {moved(k): v for k, v in p.items()} for p in swept.plots)
-    stages = {
-        name: Stage(
-            name=name,
-            args=moved(swept.args),
-            deps=swept.deps,
-            params=swept.params,
-            outs=(folder,),
-            metrics=tuple(moved(m) for m in swept.metrics),
-            plots=plots,
-            resources=swept.resources,
-            foreach=tuple(points),
-            measured=swept.measured,
-            module=swept.runs(),
-            matrix=tuple((aliases[key], list(values)) for key, values in sw.grid),
-            sets={p: tuple((key, sweep.as_text(v)) for key, v in values.items()) for p, values in points.items()},
-            sweep=sw.name,
-        )
-    }
+    stages = (
+        {}
+        if not points
+        else {
+            name: Stage(
+                name=name,
+                args=moved(swept.args),
+                deps=swept.deps,
+                params=swept.params,
+                outs=(folder,),
+                metrics=tuple(moved(m) for m in swept.metrics),
+                plots=plots,
+                resources=swept.resources,
+                foreach=tuple(points),
+                measured=swept.measured,
+                module=swept.runs(),
+                matrix=tuple((aliases[key], list(values)) for key, values in sw.grid),
+                sets={p: tuple((key, sweep.as_text(v)) for key, v in values.items()) for p, values in points.items()},
+                sweep=sw.name,
+            )
+        }
+    )
     compared = f"{SWEEPS_DIR}/{sw.name}/compare"
-    point_outs = [f"{SWEEPS_DIR}/{sw.name}/{p}" for p in points]
-    listed = " ".join(f"{p}={o}" for p, o in zip(points, point_outs, strict=True))
+    point_outs = [sweep.point_folder(home) for home in homes[sw.name].values()]
+    listed = " ".join(f"{p}={o}" for p, o in zip(homes[sw.name], point_outs, strict=True))
     stages[f"{name}_compare"] = Stage(
         name=f"{name}_compare",
         args=f"--sweep {sw.name} --points {listed} --output {compared}",

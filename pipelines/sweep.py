@@ -5,7 +5,8 @@
 
 For each point: `current` with its metric (dvc.lock holds its record and DVC finds nothing changed), else
 the state of its newest MLflow run, `FAILED` with the cause the run was tagged with (a diverged loss, a
-refused input), `KILLED`, `RUNNING`, or `out of date` / `not run`. The comparison stage
+refused input), `KILLED`, `RUNNING`, or `out of date` / `not run`. A point an earlier sweep of the same
+stage runs too (stages.common.sweep.homes) is that sweep's stage, named beside it. The comparison stage
 (stages.sweep_compare) runs once every point is current; until then, this is the table of the sweep.
 Exit 0 when every point is current, 1 when one is not.
 """
@@ -13,6 +14,7 @@ Exit 0 when every point is current, 1 when one is not.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -41,8 +43,14 @@ def newest_runs(name: str, root: Path) -> dict[str, object]:
     return newest
 
 
-def point_states(sw: sweep.Sweep, root: Path, status: dict | None, runs: dict) -> list[dict]:
-    """One row per point: point, values, state, metric (current points), cause (failed ones)."""
+def point_states(
+    sw: sweep.Sweep, root: Path, status: dict | None, runs, homes: dict[str, tuple[str, str]] | None = None
+) -> list[dict]:
+    """One row per point: point, values, stage (the DAG's that runs it), state, metric (current points), cause
+    (failed ones). `runs`: {point: newest run} of the sweep, or a function of a sweep's name giving that;
+    `homes`: {point: (sweep, point)} where a point is run (stages.common.sweep.homes; default: its own)."""
+    homes = homes or {p: (sw.name, p) for p in sw.points()}
+    runs_of = runs if callable(runs) else (lambda name: runs if name == sw.name else {})
 
     recorded = set()
     lock = root / "dvc.lock"
@@ -52,18 +60,18 @@ def point_states(sw: sweep.Sweep, root: Path, status: dict | None, runs: dict) -
         recorded = set((yaml.safe_load(lock.read_text()) or {}).get("stages", {}))
     rows = []
     for point, values in sw.points().items():
-        stage = f"sweep_{sw.name}@{point}"
-        folder = root / "data" / "sweeps" / sw.name / point
-        row = {"point": point, "values": values, "state": "not run", "metric": None, "cause": ""}
+        home = homes[point]
+        stage, folder = sweep.point_stage(home), root / sweep.point_folder(home)
+        row = {"point": point, "values": values, "stage": stage, "state": "not run", "metric": None, "cause": ""}
         current = stage in recorded and status is not None and not is_stale(status.get(stage, []))
         if current and (folder / "metrics.json").is_file():
             row["state"] = "current"
             try:
-                row["metric"] = sweep.read_metric(sw, point, folder, "pipelines.sweep")
+                row["metric"] = sweep.read_metric(sw, point, folder, "pipelines.sweep", stage)
             except config.UserError as e:
                 row["cause"] = str(e)
         else:
-            run = runs.get(point)
+            run = runs_of(home[0]).get(home[1])
             if run is not None and run.info.status != "FINISHED":
                 row["state"] = run.info.status
                 row["cause"] = run.data.tags.get("failure_cause", "")
@@ -87,7 +95,9 @@ def render(sw: sweep.Sweep, rows: list[dict]) -> str:
         values = " | ".join(sweep.as_text(r["values"][k]) for k in keys)
         metric = "" if r["metric"] is None else f"{r['metric']:.6g}"
         cause = r["cause"].replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {r['point']} | {values} | {r['state']} | {metric} | {cause} |")
+        elsewhere = r.get("stage") and r["stage"].partition("@")[0] != f"sweep_{sw.name}"
+        point = f"{r['point']} ({r['stage']})" if elsewhere else r["point"]
+        lines.append(f"| {point} | {values} | {r['state']} | {metric} | {cause} |")
     return "\n".join(lines) + "\n"
 
 
@@ -98,7 +108,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     root = Path.cwd()
     try:
-        sweeps = sweep.load(config.read_yaml(root / "params.yaml"))
+        params = config.read_yaml(root / "params.yaml")
+        sweeps = sweep.load(params)
         unknown = [n for n in args.names if n not in sweeps]
         if unknown:
             raise config.UserError(
@@ -112,9 +123,11 @@ def main(argv=None) -> int:
         print("params.yaml declares no sweep (its sweeps section; docs/sweeps.md)")
         return 0
     status = dvc_status(root)
+    homes = sweep.homes(sweeps, params)
+    runs_of = functools.cache(lambda name: newest_runs(name, root))  # (a sweep's runs, read once)
     tables, every = [], []
     for sw in chosen:
-        rows = point_states(sw, root, status, newest_runs(sw.name, root))
+        rows = point_states(sw, root, status, runs_of, homes[sw.name])
         every += [{"sweep": sw.name, **r} for r in rows]
         tables.append(render(sw, rows))
     print(json.dumps(every, indent=1, default=str) if args.json else "\n".join(tables), end="")

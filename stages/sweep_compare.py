@@ -47,11 +47,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def point_folders(sw: sweep.Sweep, given: list[str] | None) -> dict[str, Path]:
-    """{point: its folder}, in the sweep's order; --points must name every point of the sweep, once."""
+def point_folders(sw: sweep.Sweep, given: list[str] | None, homes: dict | None = None) -> dict[str, Path]:
+    """{point: its folder}, in the sweep's order; --points must name every point of the sweep, once. Without
+    it, a point's folder is data/sweeps/<sweep>/<point> of the sweep that runs it (`homes`, by default its own:
+    stages.common.sweep.homes)."""
     points = list(sw.points())
     if given is None:
-        return {p: Path(f"data/sweeps/{sw.name}/{p}") for p in points}
+        return {p: Path(sweep.point_folder((homes or {}).get(p, (sw.name, p)))) for p in points}
     folders: dict[str, Path] = {}
     for item in given:
         name, sep, folder = item.partition("=")
@@ -76,8 +78,8 @@ def point_folders(sw: sweep.Sweep, given: list[str] | None) -> dict[str, Path]:
     return {p: folders[p] for p in points}
 
 
-def read_metric(sw: sweep.Sweep, point: str, folder: Path) -> float:
-    return sweep.read_metric(sw, point, folder, STAGE)
+def read_metric(sw: sweep.Sweep, point: str, folder: Path, home: tuple[str, str] | None = None) -> float:
+    return sweep.read_metric(sw, point, folder, STAGE, sweep.point_stage(home or (sw.name, point)))
 
 
 def best_point(values: dict[str, float], goal: str) -> str | None:
@@ -102,6 +104,10 @@ def render(sw: sweep.Sweep, rows: list[dict]) -> str:
     for r in rows:
         values = " | ".join(sweep.as_text(r["values"][k]) for k in keys)
         lines.append(f"| {r['point']} | {values} | {r['metric']:.6g} | {'best' if r['best'] else ''} |")
+    own = f"sweep_{sw.name}"
+    shared = [f"{r['point']} by {r['stage']}" for r in rows if r.get("stage") and r["stage"].partition("@")[0] != own]
+    if shared:
+        lines += ["", f"Run for an earlier sweep of {sw.stage} and read from there: {', '.join(shared)}."]
     return "\n".join(lines) + "\n"
 
 
@@ -196,11 +202,13 @@ def main(argv=None) -> dict:
         )
     sw = sweeps[args.sweep]
     output = Path(args.output or f"data/sweeps/{sw.name}/compare")
-    folders = point_folders(sw, args.points)
-    metrics = {p: read_metric(sw, p, folder) for p, folder in folders.items()}
+    homes = sweep.homes(sweeps, params)[sw.name]
+    folders = point_folders(sw, args.points, homes)
+    metrics = {p: read_metric(sw, p, folder, homes[p]) for p, folder in folders.items()}
     best = best_point(metrics, sw.goal)
     rows = [
-        {"point": p, "values": values, "metric": metrics[p], "best": p == best} for p, values in sw.points().items()
+        {"point": p, "values": values, "metric": metrics[p], "best": p == best, "stage": sweep.point_stage(homes[p])}
+        for p, values in sw.points().items()
     ]
     declared = {
         "name": sw.name,

@@ -90,6 +90,24 @@ def test_min_picks_the_lowest_first_of_a_tie_never_nan_and_writes_table_metrics_
     assert matplotlib.image.imread(out / "plots/final_val_loss.png").shape[2] in (3, 4)
 
 
+def test_without_points_given_a_point_an_earlier_sweep_shares_is_read_from_its_folder(tree):
+    """A later sweep's point at which pretrain runs as at an earlier sweep's point is that sweep's: its folder
+    is read, and the table says which stage ran it."""
+    sweep_tree(tree, {"train.lr": [0.001, 0.003]}, {"0.001": 4.5, "0.003": 4.25})
+    params = yaml.safe_load((tree / "params.yaml").read_text())
+    params["sweeps"]["again"] = {**params["sweeps"]["lr"], "grid": {"train.lr": [3.0e-3, 0.03]}}
+    (tree / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (tree / "data/sweeps/again/0.03").mkdir(parents=True)
+    (tree / "data/sweeps/again/0.03/metrics.json").write_text(json.dumps({"final_val_loss": 4.75}))
+    result = sweep_compare.main(["--sweep", "again"])
+    assert [(r["point"], r["metric"], r["stage"]) for r in result["rows"]] == [
+        ("0.003", 4.25, "sweep_lr@0.003"),
+        ("0.03", 4.75, "sweep_again@0.03"),
+    ]
+    table = (tree / "data/sweeps/again/compare/table.md").read_text()
+    assert table.endswith("Run for an earlier sweep of pretrain and read from there: 0.003 by sweep_lr@0.003.\n")
+
+
 def test_max_picks_the_highest_of_a_nested_metric(tree):
     points = sweep_tree(tree, LR, {"0.0001": 0.5, "0.001": 0.7, "0.003": math.nan, "0.01": 0.6}, "eval.acc", "max")
     result = sweep_compare.main(["--sweep", "lr", "--points", *points, "--output", "compare"])

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -97,9 +98,50 @@ def test_the_table_makes_a_stage_per_point_and_a_comparison(tmp_path):
     assert "foreach:" in stage and "train.lr=${item.lr}" in stage and "data/sweeps/lr/${key}" in stage
 
 
+def test_a_later_sweep_shares_each_point_at_which_the_stage_runs_as_at_an_earlier_ones():
+    params = {"pretrain": {"train": {"lr": 0.001, "warmup_steps": 30, "betas": [0.9, 0.95]}}, "train_gnn": {}}
+    listed = [{"train.lr": 3e-3, "train.warmup_steps": 8}, {"train.lr": 1e-3, "train.warmup_steps": 30}]
+    declared = {
+        "w": {**without(LR, "grid"), "points": listed},
+        "lr": {**LR, "grid": {"train.lr": [1.0, 0.001, 3.0e-3]}},
+        "again": {**LR, "grid": {"train.lr": [3.0e-3, 1]}},  # (1 and 1.0: one point)
+        "gnn": {**LR, "stage": "train_gnn", "grid": {"train.lr": [0.001]}},  # (another stage: never shared)
+    }
+    sweeps = sweep.load({"sweeps": declared})
+    assert sweep.homes(sweeps, params) == {
+        "w": {"0.003-8": ("w", "0.003-8"), "0.001-30": ("w", "0.001-30")},
+        "lr": {"1.0": ("lr", "1.0"), "0.001": ("w", "0.001-30"), "0.003": ("lr", "0.003")},
+        "again": {"0.003": ("lr", "0.003"), "1": ("lr", "1.0")},
+        "gnn": {"0.001": ("gnn", "0.001")},
+    }
+    # with another warmup in params.yaml, pretrain at lr's 0.001 runs otherwise than at w's 0.001-30
+    params["pretrain"]["train"]["warmup_steps"] = 2
+    assert sweep.homes(sweeps, params)["lr"]["0.001"] == ("lr", "0.001")
+
+
+def test_a_shared_point_is_one_stage_whose_folder_the_later_comparison_reads(tmp_path):
+    """The point runs once, as the earlier sweep's stage; the later comparison reads its folder; a sweep all of
+    whose points others run has a comparison only."""
+    params = tmp_path / "params.yaml"
+    declared = {
+        "lr": LR,
+        "again": {**LR, "grid": {"train.lr": [3.0e-3, 3.0e-2]}},
+        "same": {**LR, "grid": {"train.lr": [0.01]}},
+    }
+    params.write_text(with_sweeps((dag.ROOT / "params.yaml").read_text(), declared))
+    stages = dag.load_table(params=params)
+    assert stages["sweep_again"].instances() == [("sweep_again@0.03", "0.03")]
+    assert stages["sweep_lr"].instances() == [(f"sweep_lr@{p}", p) for p in ("0.001", "0.003", "0.01")]
+    assert "sweep_same" not in stages and "sweep_same_compare" in stages
+    compare = stages["sweep_again_compare"]
+    assert [d for d in compare.deps if d.startswith("data/")] == ["data/sweeps/lr/0.003", "data/sweeps/again/0.03"]
+    assert "--points 0.003=data/sweeps/lr/0.003 0.03=data/sweeps/again/0.03 " in compare.cmd()
+    assert [d for d in stages["sweep_same_compare"].deps if d.startswith("data/")] == ["data/sweeps/lr/0.01"]
+
+
 def with_sweeps(params: str, sweeps: dict) -> str:
     """params.yaml's text with its sweeps section (the last, with its comments) replaced by `sweeps`."""
-    return params.split("\nsweeps:")[0] + "\n" + yaml.safe_dump({"sweeps": sweeps})
+    return params.split("\nsweeps:")[0] + "\n" + yaml.safe_dump({"sweeps": sweeps}, sort_keys=False)
 
 
 def planned_points(out: str) -> set[str]:
@@ -223,7 +265,27 @@ def swept(tmp_path_factory) -> tuple[Path, Path]:
             assert planned_points(out) == {f"sweep_lr@{rest}"}, out[-3000:]
         assert "7 of 7 points current" in sh("python -m pipelines.sweep lr", clone)
     assert lock_md5s(smk) == lock_md5s(dvc) and len(lock_md5s(smk)) == 8, "7 points and the comparison"
+
+    # a second sweep of pretrain at points the first has run: each tool runs only its comparison, which reads
+    # the first sweep's folders, and its status names the stage that ran each point
+    for clone, cmd in ((smk, "snakemake --profile pipelines/profiles/local"), (dvc, "dvc repro")):
+        params = clone / "params.yaml"
+        params.write_text(with_sweeps(params.read_text(), {"lr": {**LR, "grid": {"train.lr": VALUES}}, "again": AGAIN}))
+        sh("python -m pipelines.dag write", clone)
+        out = sh(cmd, clone)
+        ran = snakemake_ran(out) if clone is smk else set(re.findall(r"Running stage '([^']+)'", out))
+        assert ran == {"sweep_again_compare"}, out[-3000:]
+        status = sh("python -m pipelines.sweep again", clone)
+        assert "2 of 2 points current" in status and "| 0.003 (sweep_lr@0.003) | 0.003 | current |" in status, status
+    again = json.loads((smk / "data/sweeps/again/compare/figures.json").read_text())
+    assert {p: v["metric"] for p, v in again["points"].items()} == {
+        p: json.loads((smk / f"data/sweeps/lr/{p}/metrics.json").read_text())["final_val_loss"]
+        for p in ("0.03", "0.003")
+    }
     return smk, dvc
+
+
+AGAIN = {**LR, "grid": {"train.lr": [3.0e-2, 3.0e-3]}}  # (points of the lr sweep: shared, not run again)
 
 
 @pytest.mark.long
@@ -271,6 +333,16 @@ def test_a_sweep_runs_alike_under_both_tools_resumes_after_a_failed_point_and_a_
     assert len(ranked) == 7, [m.name for m in ranked]
     registered = {m.name for m in client.search_registered_models()}
     assert registered >= {registry.model_name("sweep_lr", p.partition("@")[2]) for p in points}
+    # the second sweep's parent holds its comparison alone, and its compare view the lr sweep's runs of its points
+    (again,) = client.search_runs([exp], "tags.pipeline_run = 'sweep-again' and tags.pipeline_role = 'parent'")
+    assert again.info.status == "FINISHED", again.data.tags
+    from pipelines import ui
+
+    declared = yaml.safe_load((smk / "params.yaml").read_text())
+    homes = sweep.homes(sweep.load(declared), declared)
+    _, compare = ui.sweep_pages(client, "http://ui", exp, homes)["again"]
+    shown = json.loads(urllib.parse.parse_qs(compare.split("?", 1)[1])["runs"][0])
+    assert sorted(shown) == sorted(points[f"sweep_lr@{p}"].info.run_id for p in ("0.03", "0.003")), shown
     assert "every link holds" in sh("python -m pipelines.verify", smk)
 
 
@@ -290,9 +362,14 @@ def test_the_sweep_in_the_mlflow_ui_in_chromium(request, tmp_path):
     smk, _ = request.getfixturevalue("swept")
     port = free_port()
     store = f"sqlite:///{smk / 'mlflow.db'}"
-    pages = [ln.removeprefix("open ") for ln in sh(f"python -m pipelines.ui {port}", smk).splitlines()]
+    printed = sh(f"python -m pipelines.ui {port}", smk).splitlines()
+    pages = [ln.removeprefix("open ") for ln in printed if ln.startswith("open ")]
+    assert len(pages) == 6 and {ln for ln in printed if not ln.startswith("open ")} == {
+        f"sweep {name}: its parent run, then the compare view of its points" for name in ("lr", "again")
+    }, printed
     base = f"http://127.0.0.1:{port}"
-    parent_page, compare_page = pages[2:]
+    at = printed.index("sweep lr: its parent run, then the compare view of its points")
+    parent_page, compare_page = (ln.removeprefix("open ") for ln in printed[at + 1 : at + 3])
     assert "/#/compare-runs?runs=" in compare_page and "/runs/" in parent_page, pages
 
     import mlflow
@@ -350,6 +427,15 @@ def test_the_status_names_each_point_current_failed_out_of_date_or_not_run(tmp_p
     table = status_of.render(sw, rows)
     assert "1 of 4 points current" in table and "| 1000 | 1000 | FAILED |  | Diverged: training diverged" in table
     assert status_of.point_states(sw, tmp_path, None, {})[0]["state"] == "out of date", "DVC could not tell"
+    # a point run by an earlier sweep's stage: its record, folder and runs are that stage's, named in the table
+    again = sweep.load({"sweeps": {"again": {**LR, "grid": {"train.lr": [1e-3, 1000]}}}})["again"]
+    homes = {"0.001": ("lr", "0.001"), "1000": ("lr", "1000")}
+    rows = status_of.point_states(again, tmp_path, status, lambda name: {"1000": failed} if name == "lr" else {}, homes)
+    assert [(r["stage"], r["state"], r["metric"]) for r in rows] == [
+        ("sweep_lr@0.001", "current", 4.5),
+        ("sweep_lr@1000", "FAILED", None),
+    ]
+    assert "| 0.001 (sweep_lr@0.001) | 0.001 | current | 4.5 |" in status_of.render(again, rows)
 
 
 def test_a_points_crate_action_records_the_params_it_ran_with():
@@ -382,7 +468,15 @@ def test_a_list_of_points_is_the_same_stages_for_dvc_and_snakemake(tmp_path):
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)  # (DVC reads a repository)
     listed = [{"train.lr": 3e-3, "train.warmup_steps": 8}, {"train.lr": 1e-3, "train.warmup_steps": 2}]
     params = tmp_path / "params.yaml"
-    params.write_text(with_sweeps(params.read_text(), {"w": {**without(LR, "grid"), "points": listed}}))
+    text = params.read_text().replace("  warmup_steps: 30\n", "  warmup_steps: 2\n", 1)
+    assert text != params.read_text()
+    # and two sweeps sharing w's points: lr one of its two, again its only one (a comparison, no point stage)
+    declared = {
+        "w": {**without(LR, "grid"), "points": listed},
+        "lr": {**LR, "grid": {"train.lr": [1e-3, 1e-2]}},
+        "again": {**without(LR, "grid"), "points": [{"train.lr": 3e-3, "train.warmup_steps": 8}]},
+    }
+    params.write_text(with_sweeps(text, declared))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     for cmd in (["write"], ["check"]):
         done = subprocess.run(
@@ -390,12 +484,15 @@ def test_a_list_of_points_is_the_same_stages_for_dvc_and_snakemake(tmp_path):
         )
         assert done.returncode == 0, done.stdout + done.stderr
     assert "define the same stages" in done.stdout, done.stdout
-    stage = yaml.safe_load((tmp_path / "dvc.yaml").read_text())["stages"]["sweep_w"]
+    written = yaml.safe_load((tmp_path / "dvc.yaml").read_text())["stages"]
+    stage = written["sweep_w"]
     assert stage["foreach"] == {
         "0.003-8": {"lr": "0.003", "warmup_steps": "8"},
         "0.001-2": {"lr": "0.001", "warmup_steps": "2"},
     }
     assert stage["do"]["cmd"].endswith("train.lr=${item.lr} train.warmup_steps=${item.warmup_steps}")
+    assert list(written["sweep_lr"]["foreach"]) == ["0.01"] and "sweep_again" not in written
+    assert "data/sweeps/w/0.003-8" in written["sweep_again_compare"]["deps"]
 
 
 def test_a_bad_declaration_stops_make_dag_and_snakemake_in_one_line(tmp_path):

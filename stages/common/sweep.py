@@ -22,6 +22,12 @@ per point, each with its own output folder data/sweeps/<name>/<point> and its ow
 `sweep_<name>_compare`, the table and plot of the points (stages.sweep_compare). A point's name is its
 values joined by "-" (0.001, or 0.001-10 for two keys), the key of its entry in DVC's `foreach`; the points
 run in the order of the grid's keys and values, or of the list.
+
+Two sweeps of one stage share the points they have in common (`homes`): a point of a later sweep (in
+params.yaml's order) with which the stage would run exactly as at a point of an earlier one (its params
+section, the point's values set, equal: 1 and 1.0 alike) is that point, run once by the earlier sweep's
+stage; the later sweep's comparison reads it from there. So the `warmup` sweep above runs its first point
+only if pretrain's warmup_steps is not 2 in params.yaml.
 """
 
 from __future__ import annotations
@@ -172,15 +178,53 @@ def check_points(at: str, stage: str, points) -> tuple[tuple, tuple]:
     return grid, tuple(rows)
 
 
-def read_metric(sw: Sweep, point: str, folder: Path, who: str) -> float:
-    """The sweep's metric in the point's metrics.json (a.b for a nested key); NaN stays NaN."""
+def homes(sweeps: dict[str, Sweep], params: dict) -> dict[str, dict[str, tuple[str, str]]]:
+    """{sweep: {point: (the sweep whose stage runs it, its name there)}}, every point of every sweep: its own
+    sweep and name, or those of the first earlier sweep of the same stage with a point at which the stage
+    runs with the same params (its section of `params`, flattened, with the point's values set)."""
+    first: dict[tuple, tuple[str, str]] = {}
+    out: dict[str, dict[str, tuple[str, str]]] = {}
+    for sw in sweeps.values():
+        section = params.get(sw.stage)
+        base = flatten(section) if isinstance(section, dict) else {}
+        out[sw.name] = {}
+        for point, values in sw.points().items():
+            ran = {**base, **values}
+            key = (sw.stage, json.dumps({k: same_param(v) for k, v in ran.items()}, sort_keys=True))
+            out[sw.name][point] = first.setdefault(key, (sw.name, point))
+    return out
+
+
+def same_param(v):
+    """`same` for a value of a params section, which may also be a list, a mapping or null."""
+    if isinstance(v, (list, tuple)):
+        return [same_param(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): same_param(x) for k, x in v.items()}
+    return v if v is None else same(v)
+
+
+def point_stage(home: tuple[str, str]) -> str:
+    """The DAG stage that runs a point, from its home (sweep, point): sweep_<sweep>@<point>."""
+    return f"sweep_{home[0]}@{home[1]}"
+
+
+def point_folder(home: tuple[str, str]) -> str:
+    """A point's output folder, from its home (sweep, point): data/sweeps/<sweep>/<point>."""
+    return f"data/sweeps/{home[0]}/{home[1]}"
+
+
+def read_metric(sw: Sweep, point: str, folder: Path, who: str, stage: str = "") -> float:
+    """The sweep's metric in the point's metrics.json (a.b for a nested key); NaN stays NaN. `stage`: the
+    stage that runs the point (default: the sweep's own, sweep_<name>@<point>)."""
+    stage = stage or point_stage((sw.name, point))
     path = folder / "metrics.json"
     if not path.is_file():
-        raise UserError(f"{who}: {path} not found; run the sweep's point first: dvc repro sweep_{sw.name}@{point}")
+        raise UserError(f"{who}: {path} not found; run the sweep's point first: dvc repro {stage}")
     try:
         doc = json.loads(path.read_text())
     except ValueError as e:
-        raise UserError(f"{who}: {path} is not JSON ({e}); run sweep_{sw.name}@{point} again") from None
+        raise UserError(f"{who}: {path} is not JSON ({e}); run {stage} again") from None
     flat = flatten(doc) if isinstance(doc, dict) else {}
     if sw.metric not in flat:
         raise UserError(
