@@ -188,8 +188,8 @@ class PrefixedTracker:
     def __bool__(self) -> bool:
         return bool(self.tracker)
 
-    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
-        self.tracker.log_metrics({f"{self.prefix}.{k}": v for k, v in metrics.items()}, step=step)
+    def log_metrics(self, metrics: dict, step: int | None = None, time_ms: int | None = None) -> None:
+        self.tracker.log_metrics({f"{self.prefix}.{k}": v for k, v in metrics.items()}, step=step, time_ms=time_ms)
 
     def log_series(self, series: dict[str, list[float]]) -> None:
         self.tracker.log_series({f"{self.prefix}.{k}": v for k, v in series.items()})
@@ -205,6 +205,13 @@ class PrefixedTracker:
 
     def register(self, record: dict) -> None:
         self.tracker.register(record)
+
+    def log_checkpoint(self, folder: Path, step: int, points: list, label: str = "") -> None:
+        points = [(f"{self.prefix}.{key}", *rest) for key, *rest in points]
+        self.tracker.log_checkpoint(folder, step, points, label or self.prefix)
+
+    def checkpoint_removed(self, folder: Path, why: str) -> None:
+        self.tracker.checkpoint_removed(folder, why)
 
     def flush(self, timeout_s: float) -> bool:
         return self.tracker.flush(timeout_s)

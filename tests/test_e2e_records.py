@@ -102,6 +102,19 @@ def test_stage_runs_name_their_inputs_dvc_md5s_and_each_version_comes_from_a_log
         for q in ("nf4", "none")
     }
     assert sorted(losses, key=lambda x: x[1]) == losses and dict(losses) == published
+    # each checkpoint a training stage published: a logged model of its step, marked removed once the stage's
+    # output was (pretrain's at step 5 of 10; each fine-tuned context variant's at step 1 of 2)
+    checkpoints = client.search_logged_models([exp], filter_string="model_type = 'checkpoint'", max_results=1000)
+    by_name = {m.name: m for m in checkpoints}
+    assert "pretrain-step-5" in by_name and any(n.startswith("extend_context-") for n in by_name), sorted(by_name)
+    model = by_name["pretrain-step-5"]
+    assert model.tags["checkpoint.kept"] == "false" and "published" in model.tags["checkpoint.removed"]
+    (pretrain_run,) = [r for r in stage_runs if r.info.run_name == "pretrain"]
+    at_5 = {m.key: m.value for m in model.metrics if m.step == 5}
+    assert at_5["loss"] == next(
+        m.value for m in client.get_metric_history(pretrain_run.info.run_id, "loss") if m.step == 5
+    )
+    assert len([m for m in client.get_metric_history(pretrain_run.info.run_id, "loss") if m.step == 5]) == 1
 
 
 def test_a_dvc_lock_emptied_mid_commit_is_restored_when_snakemake_loads(clone):

@@ -66,7 +66,7 @@ def test_each_kind_reaches_the_client_in_order_metrics_and_tags_batched(tmp_path
         ("set_terminated", "r", "FINISHED"),
     ]
     assert progress == [len(records)]
-    assert set(KINDS) == {r["kind"] for r in records} | {"register", "inputs"}
+    assert set(KINDS) == {r["kind"] for r in records} | {"register", "inputs", "checkpoint", "checkpoint_removed"}
 
 
 def test_a_record_refused_by_the_store_or_the_caller_is_named_and_passed_over(tmp_path, capsys):
@@ -192,6 +192,59 @@ def test_a_published_model_is_a_logged_model_with_metrics_and_the_version_comes_
     stored = store.local_path(client.get_model_version_download_uri("finetune_qlora-nf4", "1"))
     assert (stored / "model.safetensors").stat().st_ino == (folder / "model.safetensors").stat().st_ino
     assert client.get_run(run_id).data.tags["registered_model.finetune_qlora-nf4"] == "1"
+
+
+def test_a_published_checkpoint_is_a_logged_model_of_its_step_then_marked_removed(sqlite_store, tmp_path):
+    """A checkpoint a training run published: a READY logged model `<run>-step-<n>` of type checkpoint with the
+    run's params and the run's own points of its step as metrics (the run's curves unchanged), once however
+    often it is sent; its removal (pruned, or the stage done) tagged on it."""
+    from mlflow.entities import Metric, Param
+
+    from stages.common.loop import Logged
+
+    client, experiment_id, _ = sqlite_store
+    run_id = client.create_run(experiment_id, run_name="pretrain", tags={"stage": "pretrain"}).info.run_id
+    logged = Logged()
+    for step, loss, val in ((1, 4.0, None), (2, 3.5, 3.75), (3, 3.25, None), (4, 3.0, None)):
+        metrics = {"loss": loss, "lr": 0.001 * step, "tokens_per_s": 99.0} | ({"val_loss": val} if val else {})
+        client.log_batch(run_id, metrics=[Metric(k, v, 1000 + step, step) for k, v in metrics.items()])
+        logged.add(metrics, step, 1000 + step)
+        if step == 3:
+            logged.mark(3)  # (saved at step 3, published after step 4: its points are step 3's)
+    client.log_batch(run_id, params=[Param("train.lr", "0.001")])
+    folder = tmp_path / "checkpoints/step-3"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text("{}")
+    record = {"kind": "checkpoint", "folder": str(folder), "step": 3, "manifest_sha256": "ab", "label": ""}
+    record["points"] = [list(p) for p in logged.at(3)]
+    send_records(client, run_id, [record])
+    send_records(client, run_id, [record])  # (sent again: one model)
+    (model,) = client.search_logged_models([experiment_id], filter_string="name = 'pretrain-step-3'")
+    assert model.status == "READY" and model.model_type == "checkpoint" and model.params == {"train.lr": "0.001"}
+    assert {m.key: (m.value, m.step) for m in model.metrics} == {
+        "loss": (3.25, 3),
+        "lr": (0.003, 3),
+        "val_loss": (3.75, 2),
+    }, "the step's loss and lr, the last validation before it"
+    assert model.tags["checkpoint.path"] == str(folder) and model.tags["checkpoint.kept"] == "true"
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [
+        (1, 4.0),
+        (2, 3.5),
+        (3, 3.25),
+        (4, 3.0),
+    ], "the run's curve as it was"
+    assert model.model_id in [o.model_id for o in client.get_run(run_id).outputs.model_outputs]
+    # removed by a later run (which resumed from it: the run before was killed), it is no longer kept
+    later = client.create_run(experiment_id, run_name="pretrain", tags={"stage": "pretrain"}).info.run_id
+    send_records(client, later, [{"kind": "checkpoint_removed", "folder": str(folder), "why": "the newest 2 kept"}])
+    model = client.get_logged_model(model.model_id)
+    assert model.tags["checkpoint.kept"] == "false" and model.tags["checkpoint.removed"] == "the newest 2 kept"
+    # one of several trainings in a run (extend_context's variants): named with its label
+    other = tmp_path / "checkpoints/yarn/step-3"
+    other.mkdir(parents=True)
+    send_records(client, run_id, [{**record, "folder": str(other), "label": "yarn-ft", "points": []}])
+    (labelled,) = client.search_logged_models([experiment_id], filter_string="name = 'pretrain-yarn-ft-step-3'")
+    assert labelled.tags["checkpoint.path"] == str(other)
 
 
 def test_a_model_of_several_in_one_run_gets_its_own_metrics():

@@ -112,13 +112,18 @@ class Checkpointer:
     the copy while training goes on, its collectives on a gloo process group of their own (they never interleave
     with the loop's). The loop asks every step, in the all-reduce it makes anyway, whether some rank still
     writes (`writing`); the first step at which none does, every rank publishes it (`finish`). At most one save
-    is in flight: the next save, a stop's save (synchronous) and the end of training wait for it first."""
+    is in flight: the next save, a stop's save (synchronous) and the end of training wait for it first.
+
+    `on_publish(folder, step, history)` and `on_remove(folder, why)` are told, on rank 0, of each checkpoint
+    published and of each removed to keep the newest `keep` (the training loop records them in MLflow)."""
 
     def __init__(
         self, folder: Path, every: int, steps: int, rt: runtime.Runtime, keep: int = 2,
         asynchronous: bool = False, timeout_s: float = runtime.COLLECTIVE_TIMEOUT_S, writer: dict | None = None,
+        on_publish=None, on_remove=None,
     ):  # fmt: skip
         self.folder, self.every, self.steps, self.rt, self.keep = Path(folder), every, steps, rt, keep
+        self.on_publish, self.on_remove = on_publish, on_remove
         self.writer = writer or writer_record("")  # (a Folder's; outside a stage: code unknown)
         self.asynchronous = asynchronous
         self.pending: PendingSave | None = None
@@ -258,8 +263,12 @@ class Checkpointer:
         finally:
             atomic.publish(pending.final, pending.tmp, rt, ok)
         if rt.is_main:
+            if self.on_publish is not None:
+                self.on_publish(pending.final, pending.step, pending.extra["history"])
             for old in checkpoints(self.folder)[self.keep :]:
                 shutil.rmtree(old, ignore_errors=True)
+                if self.on_remove is not None:
+                    self.on_remove(old, f"removed at step {pending.step}: the newest {self.keep} are kept")
         runtime.barrier()
         return pending.final
 

@@ -314,20 +314,22 @@ def train(
     )
     # (without periodic checkpoints the only one is a stop's, which is synchronous)
     asynchronous = cfg.async_checkpoint and 0 < cfg.checkpoint_every < cfg.steps
-    saver = None
+    saver, logged = None, Logged()
     try:
         saver = checkpointer.Checkpointer(
             ckpt_folder, cfg.checkpoint_every, cfg.steps, rt, asynchronous=asynchronous,
             timeout_s=cfg.collective_timeout_s, writer=writer,
+            on_publish=lambda folder, step, _: tracker.log_checkpoint(folder, step, logged.at(step)),
+            on_remove=tracker.checkpoint_removed,
         )  # fmt: skip
-        return _train(model, train_data, val_data, cfg, context_length, rt, saver, tracker, stop, watch)
+        return _train(model, train_data, val_data, cfg, context_length, rt, saver, tracker, stop, watch, logged)
     finally:
         if saver is not None:
             saver.close()
         watch.close()
 
 
-def _train(model, train_data, val_data, cfg, context_length, rt, saver, tracker, stop, watch) -> TrainResult:
+def _train(model, train_data, val_data, cfg, context_length, rt, saver, tracker, stop, watch, logged) -> TrainResult:
     tr = build(model, train_data, val_data, cfg, context_length, rt)
     model, optimizer, scaler = tr.model, tr.optimizer, tr.scaler
     # Training mode from the first step: a model from_pretrained loaded is in eval mode, where dropout is off
@@ -371,10 +373,14 @@ def _train(model, train_data, val_data, cfg, context_length, rt, saver, tracker,
             metrics["val_loss"] = evaluate(model, tr.val_windows, cfg, rt, tr.pipe, tr.layout, beat)
             history["val_step"].append(done)
             history["val_loss"].append(metrics["val_loss"])
-        tracker.log_metrics(metrics, step=done)
+        now_ms = int(time.time() * 1000)
+        tracker.log_metrics(metrics, step=done, time_ms=now_ms)
+        logged.add(metrics, done, now_ms)
         # One all-reduce: a stop signal on some rank, and whether some rank still writes a checkpoint in
         # the background (the checkpointer publishes it at the first step where none does: all ranks alike).
         stopped, writing = runtime.any_ranks(bool(stop), saver.writing())
+        if saver.due(done, stopped):
+            logged.mark(done)
         checkpoint = saver.step_done(state, model, optimizer, scaler, stopped, writing)
         if checkpoint is not None:  # (saved, started or published)
             watch.beat(where=f"in step {done + 1}, after checkpoint {checkpoint.name}")
@@ -406,6 +412,31 @@ def _train(model, train_data, val_data, cfg, context_length, rt, saver, tracker,
         optimizer_state_bytes=optimizer_state_bytes(optimizer),
         tokens_per_cpu_s=tr.tokens_per_step / max(cpu_s, 1e-9) if timed else 0.0,
     )
+
+
+class Logged:
+    """The points of the metrics a checkpoint's model is known by, as the run logged them (key, value, step,
+    time in ms): its step's training loss and learning rate, and the last validation loss at or before it.
+    Logged again against the checkpoint's logged model (tracking.models), they are the run's own points."""
+
+    KEYS = ("loss", "lr", "val_loss")
+
+    def __init__(self):
+        self.last: dict[str, tuple] = {}
+        self.marked: dict[int, list[tuple]] = {}
+
+    def add(self, metrics: dict, step: int, time_ms: int) -> None:
+        for key in self.KEYS:
+            if key in metrics:
+                self.last[key] = (key, float(metrics[key]), step, time_ms)
+
+    def mark(self, step: int) -> None:
+        """A checkpoint of `step` is saved: its points, kept until it is published (later, when written in
+        the background)."""
+        self.marked[step] = list(self.last.values())
+
+    def at(self, step: int) -> list[tuple]:
+        return [p for p in self.marked.pop(step, self.last.values()) if p[2] <= step]
 
 
 def mfu(tr: Trainer, tokens_per_s: float) -> float:

@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 
 from stages.common import atomic, config, digest, provenance
-from stages.common.tracking import store
+from stages.common.tracking import models, store
 
 ALIAS = "reproduced"
 
@@ -37,7 +37,7 @@ ALIAS = "reproduced"
 def model_name(stage: str, item: str | None = None) -> str:
     """`<stage>` or `<stage>-<item>`, with the characters MLflow refuses in a model's name (/ : . % " ') as _
     (a sweep point's `sweep_lr-0.001` is registered as `sweep_lr-0_001`)."""
-    return re.sub(r"[/:.%\"']", "_", f"{stage}-{item}" if item else stage)
+    return models.mlflow_name(f"{stage}-{item}" if item else stage)
 
 
 def params_sha256(section: dict) -> str:

@@ -108,5 +108,7 @@ class StageRun:
                 self.tracker, self.section, self.cfg, models, output, list(inputs), self.digest, self.across_code
             )
         for folder in self.spent:
+            for kept in ckpt.checkpoints(folder):
+                self.tracker.checkpoint_removed(kept, "removed once the stage's output was published")
             ckpt.discard(folder)
         self.spent.clear()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -85,6 +86,76 @@ def logged_model(client, run, record: dict):
     if model.model_id not in {o.model_id for o in (run.outputs.model_outputs if run.outputs else [])}:
         client.log_outputs(run_id, [LoggedModelOutput(model.model_id, 0)])  # (the run page lists it)
     return client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+
+
+def mlflow_name(text: str) -> str:
+    """`text` as a model's name in MLflow: the characters it refuses there (/ : . % " ') as _."""
+    return re.sub(r"[/:.%\"']", "_", text)
+
+
+CHECKPOINT_TYPE = "checkpoint"  # (the logged model's model_type: `search_logged_models` tells them apart)
+
+
+def _checkpoint_of(client, run, folder: str):
+    found = client.search_logged_models(
+        [run.info.experiment_id],
+        filter_string=f"source_run_id = '{run.info.run_id}' AND tags.`checkpoint.path` = '{folder}'",
+        max_results=1,
+    )
+    return found[0] if found else None
+
+
+def checkpoint_model(client, run_id: str, record: dict):
+    """A checkpoint a training run published (`record`: its folder, step, manifest sha256, the run's metric
+    points of its step, and `label`, which of the run's trainings) as a READY logged model of the run,
+    `<run name>-step-<step>` (`<run name>-<label>-step-<step>`; mlflow_name: `sweep_lr@0_001-step-5`),
+    of model_type "checkpoint": its params the
+    run's, its metrics those points logged against it, its tags where it lies (`checkpoint.path`), its step,
+    its manifest and whether it is still kept there (`checkpoint.kept`). Its files stay where the stage keeps
+    them (resumable; pruned as training goes on, removed once the stage's output is published): not copied."""
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric
+
+    run = client.get_run(run_id)
+    model = _checkpoint_of(client, run, record["folder"])
+    if model is not None and model.status == LoggedModelStatus.READY:
+        return model
+    if model is None:
+        tags = {
+            "checkpoint.path": record["folder"],
+            "checkpoint.step": str(record["step"]),
+            "checkpoint.manifest_sha256": record["manifest_sha256"],
+            "checkpoint.kept": "true",
+            "stage": run.data.tags.get("stage", ""),
+        }
+        step = f"{record['label']}-step-{record['step']}" if record.get("label") else f"step-{record['step']}"
+        model = client.create_logged_model(
+            run.info.experiment_id,
+            name=mlflow_name(f"{run.info.run_name}-{step}"),
+            source_run_id=run_id,
+            tags=tags,
+            params=dict(run.data.params),
+            model_type=CHECKPOINT_TYPE,
+        )
+    # (the run's own points: logged again with the model's id, they add none to the run's curves)
+    points = [Metric(key, value, ms, step, model_id=model.model_id) for key, value, step, ms in record["points"]]
+    if points:
+        client.log_batch(run_id, metrics=points)
+    client.log_outputs(run_id, [LoggedModelOutput(model.model_id, record["step"])])
+    return client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+
+
+def checkpoint_removed(client, run_id: str, record: dict) -> None:
+    """Every logged model of the checkpoint in `record["folder"]` still tagged as kept, this run's or an
+    earlier one's (a killed run's checkpoint, resumed by this one): `checkpoint.kept=false`, and why
+    (`checkpoint.removed`)."""
+    run = client.get_run(run_id)
+    kept = client.search_logged_models(
+        [run.info.experiment_id],
+        filter_string=f"tags.`checkpoint.path` = '{record['folder']}' AND tags.`checkpoint.kept` = 'true'",
+        max_results=100,
+    )
+    for model in kept:
+        client.set_logged_model_tags(model.model_id, {"checkpoint.kept": "false", "checkpoint.removed": record["why"]})
 
 
 def register_version(client, run_id: str, record: dict) -> int:

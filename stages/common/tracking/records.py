@@ -111,6 +111,8 @@ KINDS = {
     "inputs": Kind(send=datasets.send_inputs),  # the run's data deps as MLflow datasets
     "artifact": Kind(send=_send_artifact, uploads="path"),
     "register": Kind(send=_send_register, uploads="folder"),
+    "checkpoint": Kind(send=lambda client, run_id, r: models.checkpoint_model(client, run_id, r)),
+    "checkpoint_removed": Kind(send=lambda client, run_id, r: models.checkpoint_removed(client, run_id, r)),
     "end": Kind(send=_send_end, last=True),
 }
 NOT_SENT = KINDS["header"]

@@ -4,6 +4,7 @@ nothing (tracking off, other ranks, benches); a stage may wrap either (extend_co
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -25,7 +26,7 @@ class Tracker(Protocol):
 
     def __bool__(self) -> bool: ...
 
-    def log_metrics(self, metrics: dict, step: int | None = None) -> None: ...
+    def log_metrics(self, metrics: dict, step: int | None = None, time_ms: int | None = None) -> None: ...
 
     def log_series(self, series: dict[str, list[float]]) -> None:
         """Curves at once: {name: [value at step 0, 1, ...]}."""
@@ -38,6 +39,13 @@ class Tracker(Protocol):
 
     def register(self, record: dict) -> None:
         """Register a model version (stages.common.registry.version_record), after the records so far."""
+
+    def log_checkpoint(self, folder: Path, step: int, points: list, label: str = "") -> None:
+        """A checkpoint of `step` the run published, as a logged model of the run with the metric `points`
+        (key, value, step, time in ms) the run logged; `label`: which of the run's trainings (its variant)."""
+
+    def checkpoint_removed(self, folder: Path, why: str) -> None:
+        """A checkpoint logged before is gone from disk (its logged model is tagged so, with `why`)."""
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` until every record so far has been sent; whether it was."""
@@ -72,7 +80,7 @@ class NullTracker(_EndClock):
     def __bool__(self) -> bool:
         return False
 
-    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+    def log_metrics(self, metrics: dict, step: int | None = None, time_ms: int | None = None) -> None:
         pass
 
     def log_series(self, series: dict[str, list[float]]) -> None:
@@ -88,6 +96,12 @@ class NullTracker(_EndClock):
         pass
 
     def register(self, record: dict) -> None:
+        pass
+
+    def log_checkpoint(self, folder: Path, step: int, points: list, label: str = "") -> None:
+        pass
+
+    def checkpoint_removed(self, folder: Path, why: str) -> None:
         pass
 
     def flush(self, timeout_s: float) -> bool:
@@ -118,9 +132,10 @@ class RunTracker(_EndClock):
     def lost(self) -> str | None:
         return self._sender.lost
 
-    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+    def log_metrics(self, metrics: dict, step: int | None = None, time_ms: int | None = None) -> None:
         values = {k: float(v) for k, v in metrics.items()}
-        self._sender.put({"kind": "metrics", "values": values, "step": step, "time": int(time.time() * 1000)})
+        time_ms = int(time.time() * 1000) if time_ms is None else time_ms
+        self._sender.put({"kind": "metrics", "values": values, "step": step, "time": time_ms})
 
     def log_series(self, series: dict[str, list[float]]) -> None:
         length = max((len(v) for v in series.values()), default=0)
@@ -138,6 +153,16 @@ class RunTracker(_EndClock):
 
     def register(self, record: dict) -> None:
         self._sender.put({"kind": "register", **record})
+
+    def log_checkpoint(self, folder: Path, step: int, points: list, label: str = "") -> None:
+        from stages.common.ckpt import MANIFEST
+
+        manifest = hashlib.sha256((Path(folder) / MANIFEST).read_bytes()).hexdigest()
+        record = {"folder": str(Path(folder).resolve()), "step": step, "manifest_sha256": manifest, "label": label}
+        self._sender.put({"kind": "checkpoint", "points": [list(p) for p in points], **record})
+
+    def checkpoint_removed(self, folder: Path, why: str) -> None:
+        self._sender.put({"kind": "checkpoint_removed", "folder": str(Path(folder).resolve()), "why": why})
 
     @timing.phase("tracking")
     def flush(self, timeout_s: float) -> bool:
