@@ -260,6 +260,8 @@ def finetune(name: str, model_config, base: Path, data: Path, context: int, run:
     stage.publish(final, rt, write)
     if rt.is_main:
         for step_dir in ckpt.checkpoints(folder):
+            if run.tracker is not None:
+                run.tracker.checkpoint_removed(step_dir, "removed once the fine-tune's model was published")
             shutil.rmtree(step_dir, ignore_errors=True)
     return summary
 
