@@ -108,6 +108,11 @@ def render(sw: sweep.Sweep, rows: list[dict]) -> str:
     shared = [f"{r['point']} by {r['stage']}" for r in rows if r.get("stage") and r["stage"].partition("@")[0] != own]
     if shared:
         lines += ["", f"Run for an earlier sweep of {sw.stage} and read from there: {', '.join(shared)}."]
+    lines += [
+        "",
+        f"In MLflow: each point's run under the sweep's parent run `pipeline sweep-{sw.name}` (tag "
+        f"`pipeline_run = sweep-{sw.name}`); `make mlflow-ui` prints its page and the compare view of the points.",
+    ]
     return "\n".join(lines) + "\n"
 
 

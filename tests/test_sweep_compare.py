@@ -59,11 +59,16 @@ def test_min_picks_the_lowest_first_of_a_tie_never_nan_and_writes_table_metrics_
     table = (out / "table.md").read_text().splitlines()
     assert table[0] == "# Sweep lr: pretrain, final_val_loss (min is best)"
     assert table[2] == "| point | train.lr | final_val_loss | best |"
-    assert table[4:] == [
+    assert table[4:8] == [
         "| 0.0001 | 0.0001 | nan |  |",
         "| 0.001 | 0.001 | 4.5 |  |",
         "| 0.003 | 0.003 | 4.21 | best |",
         "| 0.01 | 0.01 | 4.21 |  |",
+    ]
+    assert table[8:] == [
+        "",
+        "In MLflow: each point's run under the sweep's parent run `pipeline sweep-lr` (tag `pipeline_run = sweep-lr`);"
+        " `make mlflow-ui` prints its page and the compare view of the points.",
     ]
     csv = (out / "table.csv").read_text().splitlines()
     assert csv == [
@@ -105,7 +110,7 @@ def test_without_points_given_a_point_an_earlier_sweep_shares_is_read_from_its_f
         ("0.03", 4.75, "sweep_again@0.03"),
     ]
     table = (tree / "data/sweeps/again/compare/table.md").read_text()
-    assert table.endswith("Run for an earlier sweep of pretrain and read from there: 0.003 by sweep_lr@0.003.\n")
+    assert "\nRun for an earlier sweep of pretrain and read from there: 0.003 by sweep_lr@0.003.\n" in table
 
 
 def test_max_picks_the_highest_of_a_nested_metric(tree):
