@@ -314,8 +314,8 @@ def load_table(path: Path = TABLE, params: Path | None = None) -> dict[str, Stag
     once = {name for name, st in stages.items() if not (st.foreach or st.collect)}
     sweeps = sweep.load(declared or {}, once, where=str(params_file))
     homes = sweep.homes(sweeps, declared or {})
+    compare_deps = code_deps(root, (COMPARE_MODULE,))[COMPARE_MODULE] if sweeps else ()
     for sw in sweeps.values():
-        compare_deps = code_deps(root, (COMPARE_MODULE,))[COMPARE_MODULE]
         stages |= sweep_stages(sw, stages[sw.stage], compare_deps, homes)
     return stages
 
@@ -343,28 +343,24 @@ def sweep_stages(sw, swept: Stage, compare_deps: tuple[str, ...], homes: dict) -
     points = {p: values for p, values in sw.points().items() if homes[sw.name][p] == (sw.name, p)}
     name = f"sweep_{sw.name}"
     plots = tuple(moved(p) if isinstance(p, str) else {moved(k): v for k, v in p.items()} for p in swept.plots)
-    stages = (
-        {}
-        if not points
-        else {
-            name: Stage(
-                name=name,
-                args=moved(swept.args),
-                deps=swept.deps,
-                params=swept.params,
-                outs=(folder,),
-                metrics=tuple(moved(m) for m in swept.metrics),
-                plots=plots,
-                resources=swept.resources,
-                foreach=tuple(points),
-                measured=swept.measured,
-                module=swept.runs(),
-                matrix=tuple((aliases[key], list(values)) for key, values in sw.grid),
-                sets={p: tuple((key, sweep.as_text(v)) for key, v in values.items()) for p, values in points.items()},
-                sweep=sw.name,
-            )
-        }
-    )
+    stages = {}
+    if points:  # (none when other sweeps run every point of this one: a comparison alone)
+        stages[name] = Stage(
+            name=name,
+            args=moved(swept.args),
+            deps=swept.deps,
+            params=swept.params,
+            outs=(folder,),
+            metrics=tuple(moved(m) for m in swept.metrics),
+            plots=plots,
+            resources=swept.resources,
+            foreach=tuple(points),
+            measured=swept.measured,
+            module=swept.runs(),
+            matrix=tuple((aliases[key], list(values)) for key, values in sw.grid),
+            sets={p: tuple((key, sweep.as_text(v)) for key, v in values.items()) for p, values in points.items()},
+            sweep=sw.name,
+        )
     compared = f"{SWEEPS_DIR}/{sw.name}/compare"
     point_outs = [sweep.point_folder(home) for home in homes[sw.name].values()]
     listed = " ".join(f"{p}={o}" for p, o in zip(homes[sw.name], point_outs, strict=True))
