@@ -186,7 +186,7 @@ class LastStepCounter(NullTracker):
         super().__init__()
         self.steps, self.counter, self.sent, self.calls, self.by_kind = steps, CommCounter(), None, {}, {}
 
-    def log_metrics(self, metrics: dict, step: int) -> None:
+    def log_metrics(self, metrics: dict, step: int, time_ms: int | None = None) -> None:
         if step == self.steps - 1:
             self.counter.__enter__()
         elif step == self.steps:
